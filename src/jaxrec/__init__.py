@@ -1,0 +1,1 @@
+"""jaxrec: FBGEMM_GPU and TorchRec for JAX."""
