@@ -1,1 +1,17 @@
-"""jaxrec: FBGEMM_GPU and TorchRec for JAX."""
+"""jaxrec: FBGEMM_GPU and TorchRec for JAX.
+
+Layers: ``jaxrec.sparse`` (jagged types), ``jaxrec.ops`` (functional ops over XLA
+FFI kernels); ``jaxrec.optim``, ``jaxrec.nn``, ``jaxrec.parallel`` and
+``jaxrec.data`` grow with the roadmap in the README.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+from jaxrec._ffi import build_info
+
+try:
+    __version__ = version("jaxrec")
+except PackageNotFoundError:  # a source checkout that is not installed
+    __version__ = "0.0.0+source"
+
+__all__ = ["build_info", "__version__"]

@@ -1,0 +1,208 @@
+// CUDA handler of bounds_check_indices (see common/bounds_check.h for the definition).
+//
+// 1. A CUB max-scan over the offsets gives the corrected offsets in one pass.
+// 2. One warp per bag checks the bag against its original end and its ids,
+//    fixes bad ids in place (indices are aliased) and counts corrections.
+// FATAL mode keeps the offsets, records the first bad bag / id with atomicMin
+// (so the reported error is the same as on the CPU), then synchronises the
+// stream to turn a finding into an error: FATAL is for debugging, not speed.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <cub/device/device_scan.cuh>
+#include <limits>
+#include <string>
+
+#include "common/bounds_check.h"
+#include "common/ffi_util.h"
+
+namespace jaxrec {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr int kBagsPerBlock = 8;
+
+// Report layout on the device: [0] corrections, [1] first bad bag (uint32),
+// [2..3] first bad id as the uint64 key (position << 32 | bag).
+struct Report {
+  int32_t corrections;
+  uint32_t first_bad_bag;
+  unsigned long long first_bad_index;
+};
+static_assert(sizeof(Report) == 16, "report is int32[4]");
+
+template <typename T>
+struct ClampedMax {
+  T num_indices;
+  __device__ T operator()(T a, T b) const {
+    a = ClampOffset(a, num_indices);
+    b = ClampOffset(b, num_indices);
+    return a > b ? a : b;
+  }
+};
+
+template <typename T>
+__global__ void CheckBags(const T* __restrict__ rows_per_table, T* __restrict__ indices,
+                          T num_indices, const T* __restrict__ offsets_in, T* offsets,
+                          int64_t num_bags, int64_t batch_size, BoundsCheckMode mode,
+                          Report* report) {
+  const int64_t k = static_cast<int64_t>(blockIdx.x) * kBagsPerBlock + threadIdx.y;
+  const int lane = threadIdx.x;
+  // The scan leaves offsets[0] unclamped; no bag reads it (bag 0 starts from offsets_in[0]).
+  if (k == 0 && lane == 0 && mode != BoundsCheckMode::kFatal) {
+    offsets[0] = ClampOffset(offsets_in[0], num_indices);
+  }
+  if (k >= num_bags) return;
+
+  T start = k == 0 ? offsets_in[0] : offsets[k];
+  T end = offsets_in[k + 1];
+  if (IsBadBag(start, end, num_indices)) {
+    if (mode == BoundsCheckMode::kFatal) {
+      if (lane == 0) atomicMin(&report->first_bad_bag, static_cast<uint32_t>(k));
+      return;
+    }
+    if (mode == BoundsCheckMode::kWarning && lane == 0) atomicAdd(&report->corrections, 1);
+  }
+  if (mode != BoundsCheckMode::kFatal) {
+    start = ClampOffset(start, num_indices);
+    end = offsets[k + 1];  // already clamped by the scan (k + 1 >= 1)
+  }
+
+  const T num_rows = rows_per_table[k / batch_size];
+  int32_t corrections = 0;
+  for (T p = start + lane; p < end; p += kWarpSize) {
+    const T id = indices[p];
+    if (!IsBadIndex(id, num_rows)) continue;
+    if (mode == BoundsCheckMode::kFatal) {
+      atomicMin(&report->first_bad_index,
+                (static_cast<unsigned long long>(p) << 32) | static_cast<unsigned long long>(k));
+    } else {
+      indices[p] = 0;
+      ++corrections;
+    }
+  }
+  if (mode == BoundsCheckMode::kWarning) {
+    for (int s = kWarpSize / 2; s > 0; s /= 2) corrections += __shfl_down_sync(0xffffffff, corrections, s);
+    if (lane == 0 && corrections > 0) atomicAdd(&report->corrections, corrections);
+  }
+}
+
+ffi::Error CudaError(cudaError_t err, const char* what) {
+  return ffi::Error::Internal(std::string("bounds_check_indices: ") + what + ": " +
+                              cudaGetErrorString(err));
+}
+
+#define JAXREC_CUDA_RETURN_IF_ERROR(expr, what) \
+  do {                                          \
+    cudaError_t err_ = (expr);                  \
+    if (err_ != cudaSuccess) return CudaError(err_, what); \
+  } while (0)
+
+template <typename T>
+T ReadOne(const T* device_ptr, cudaStream_t stream) {
+  T value{};
+  cudaMemcpyAsync(&value, device_ptr, sizeof(T), cudaMemcpyDeviceToHost, stream);
+  cudaStreamSynchronize(stream);
+  return value;
+}
+
+template <typename T>
+ffi::Error BoundsCheck(cudaStream_t stream, ffi::ScratchAllocator& scratch,
+                       const T* rows_per_table, int64_t num_features, T* indices,
+                       int64_t num_indices, const T* offsets_in, T* offsets, int64_t num_bags,
+                       BoundsCheckMode mode, std::string_view labels, Report* report) {
+  const int64_t batch_size = num_features > 0 ? num_bags / num_features : 1;
+  const T n = static_cast<T>(num_indices);
+
+  JAXREC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(report, 0xff, sizeof(Report), stream), "memset");
+  JAXREC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(report, 0, sizeof(int32_t), stream), "memset");
+  if (mode == BoundsCheckMode::kFatal) {
+    JAXREC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(offsets, offsets_in, (num_bags + 1) * sizeof(T),
+                                                cudaMemcpyDeviceToDevice, stream),
+                                "copy offsets");
+  } else {
+    size_t temp_bytes = 0;
+    ClampedMax<T> op{n};
+    JAXREC_CUDA_RETURN_IF_ERROR(cub::DeviceScan::InclusiveScan(nullptr, temp_bytes, offsets_in,
+                                                               offsets, op, num_bags + 1, stream),
+                                "scan size");
+    auto temp = scratch.Allocate(temp_bytes, 256);
+    if (!temp.has_value()) {
+      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
+                        "bounds_check_indices: no scratch memory for the scan");
+    }
+    JAXREC_CUDA_RETURN_IF_ERROR(cub::DeviceScan::InclusiveScan(*temp, temp_bytes, offsets_in,
+                                                               offsets, op, num_bags + 1, stream),
+                                "scan");
+  }
+
+  const int64_t blocks = num_bags > 0 ? (num_bags + kBagsPerBlock - 1) / kBagsPerBlock : 1;
+  CheckBags<T><<<static_cast<unsigned>(blocks), dim3(kWarpSize, kBagsPerBlock), 0, stream>>>(
+      rows_per_table, indices, n, offsets_in, offsets, num_bags, batch_size, mode, report);
+  JAXREC_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch");
+  if (mode != BoundsCheckMode::kFatal) return ffi::Error::Success();
+
+  Report host{};
+  JAXREC_CUDA_RETURN_IF_ERROR(
+      cudaMemcpyAsync(&host, report, sizeof(Report), cudaMemcpyDeviceToHost, stream), "report");
+  JAXREC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "synchronize");
+  if (host.first_bad_bag != std::numeric_limits<uint32_t>::max()) {
+    const int64_t k = host.first_bad_bag;
+    return ffi::Error::InvalidArgument(BadOffsetsMessage(labels, batch_size, k,
+                                                         ReadOne(offsets_in + k, stream),
+                                                         ReadOne(offsets_in + k + 1, stream),
+                                                         num_indices));
+  }
+  if (host.first_bad_index != std::numeric_limits<unsigned long long>::max()) {
+    const int64_t p = static_cast<int64_t>(host.first_bad_index >> 32);
+    const int64_t k = static_cast<int64_t>(host.first_bad_index & 0xffffffffull);
+    return ffi::Error::InvalidArgument(BadIndexMessage(
+        labels, batch_size, k, p, ReadOne(indices + p, stream),
+        ReadOne(rows_per_table + k / batch_size, stream)));
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
+                                  ffi::AnyBuffer rows_per_table, ffi::AnyBuffer indices_in,
+                                  ffi::AnyBuffer offsets_in, ffi::Result<ffi::AnyBuffer> indices,
+                                  ffi::Result<ffi::AnyBuffer> offsets,
+                                  ffi::Result<ffi::Buffer<ffi::S32>> report, int32_t mode,
+                                  std::string_view labels) {
+  if (ffi::Error error = ValidateBoundsCheck(mode, rows_per_table, indices_in, offsets_in);
+      error.failure()) {
+    return error;
+  }
+  const int64_t num_indices = indices_in.element_count();
+  const int64_t num_bags = static_cast<int64_t>(offsets_in.element_count()) - 1;
+  const int64_t num_features = rows_per_table.element_count();
+  return DispatchIndexType(indices_in.element_type(), "indices", [&](auto zero) {
+    using T = decltype(zero);
+    if (indices->untyped_data() != indices_in.untyped_data()) {
+      JAXREC_CUDA_RETURN_IF_ERROR(
+          cudaMemcpyAsync(indices->untyped_data(), indices_in.untyped_data(),
+                          num_indices * sizeof(T), cudaMemcpyDeviceToDevice, stream),
+          "copy indices");
+    }
+    return BoundsCheck<T>(stream, scratch, rows_per_table.typed_data<T>(), num_features,
+                          indices->typed_data<T>(), num_indices, offsets_in.typed_data<T>(),
+                          offsets->typed_data<T>(), num_bags, static_cast<BoundsCheckMode>(mode),
+                          labels, reinterpret_cast<Report*>(report->typed_data()));
+  });
+}
+
+}  // namespace
+}  // namespace jaxrec
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBoundsCheckIndicesCuda, jaxrec::BoundsCheckIndicesCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // rows_per_table
+                                  .Arg<xla::ffi::AnyBuffer>()  // indices
+                                  .Arg<xla::ffi::AnyBuffer>()  // offsets
+                                  .Ret<xla::ffi::AnyBuffer>()  // indices (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()  // offsets
+                                  .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // report
+                                  .Attr<int32_t>("mode")
+                                  .Attr<std::string_view>("labels"));

@@ -1,0 +1,145 @@
+"""Loads jaxrec's XLA FFI libraries, registers their handlers and picks one per platform.
+
+The build installs ``_lib/libjaxrec_cpu.so`` (always), ``_lib/libjaxrec_cuda.so``
+(when CUDA was found) and ``_lib/build_info.json``. Each op has one target name,
+registered for the ``cpu`` platform with the CPU handler and for ``CUDA`` with the
+CUDA handler, so one ``jax.ffi.ffi_call`` serves both; :func:`dispatch` falls back
+to the op's pure-``jnp`` reference on a platform that has no handler.
+
+Libraries load lazily, on the first op that needs them, so ``import jaxrec``
+works even when a library is missing or was built for another jaxlib.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import jaxlib
+
+_LIB_DIR = Path(__file__).parent / "_lib"
+
+# Target name -> handler symbol prefix; the symbols are `<prefix>Cpu` and `<prefix>Cuda`.
+TARGETS = {
+    "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndices",
+}
+
+_PLATFORMS = {"cpu": ("jaxrec_cpu", "Cpu"), "cuda": ("jaxrec_cuda", "Cuda")}
+_XLA_PLATFORM_NAMES = {"cpu": "cpu", "cuda": "CUDA"}
+
+_REBUILD_HINT = (
+    "Rebuild jaxrec against the jaxlib you run: `pip install --no-build-isolation "
+    "--force-reinstall --no-deps .` from the jaxrec source tree, or upgrade jax and jaxlib "
+    "(`pip install -U jax jaxlib`)."
+)
+
+
+@functools.cache
+def build_info() -> dict[str, Any]:
+    """What the installed jaxrec was built with, and what runs it now.
+
+    Keys: ``cpu`` / ``cuda`` (whether each handler library was built),
+    ``jaxlib_headers_version`` and ``ffi_api_version`` (of the XLA FFI headers
+    used at build time), ``cuda_version``, ``cuda_architectures``,
+    ``runtime_jaxlib_version`` and ``runtime_ffi_api_version``.
+    """
+    path = _LIB_DIR / "build_info.json"
+    if path.exists():
+        info = json.loads(path.read_text())
+        info["ffi_api_version"] = tuple(info["ffi_api_version"])
+    else:  # A source checkout on sys.path instead of an installed package.
+        info = {"cpu": False, "cuda": False, "jaxlib_headers_version": None,
+                "ffi_api_version": None, "cuda_version": "", "cuda_architectures": ""}
+    info["cpu"] = info["cpu"] and _library_path("jaxrec_cpu").exists()
+    info["cuda"] = info["cuda"] and _library_path("jaxrec_cuda").exists()
+    info["runtime_jaxlib_version"] = jaxlib.__version__
+    info["runtime_ffi_api_version"] = _runtime_ffi_api_version()
+    return info
+
+
+def _library_path(name: str) -> Path:
+    return _LIB_DIR / f"lib{name}.so"
+
+
+def _runtime_ffi_api_version() -> tuple[int, int] | None:
+    """(major, minor) of the FFI API of the running jaxlib, read from its own headers."""
+    header = Path(jax.ffi.include_dir()) / "xla" / "ffi" / "api" / "c_api.h"
+    try:
+        text = header.read_text()
+    except OSError:
+        return None
+    found = [re.search(rf"^#define XLA_FFI_API_{part} (\d+)", text, re.M) for part in ("MAJOR", "MINOR")]
+    if not all(found):
+        return None
+    return int(found[0].group(1)), int(found[1].group(1))
+
+
+def check_ffi_compatibility(built: tuple[int, int] | None, runtime: tuple[int, int] | None) -> None:
+    """Raises if handlers built with FFI API `built` cannot run on a jaxlib with API `runtime`.
+
+    XLA accepts handlers built against headers of the same major and an older or
+    equal minor version, and refuses newer ones at registration.
+    """
+    if built is None or runtime is None:
+        return
+    if built[0] != runtime[0] or built[1] > runtime[1]:
+        info = build_info()
+        raise RuntimeError(
+            f"jaxrec was built against the XLA FFI headers of jaxlib "
+            f"{info['jaxlib_headers_version']} (FFI API {built[0]}.{built[1]}), which the running "
+            f"jaxlib {info['runtime_jaxlib_version']} (FFI API {runtime[0]}.{runtime[1]}) refuses. "
+            + _REBUILD_HINT
+        )
+
+
+@functools.cache
+def _load(platform: str) -> bool:
+    """Loads the library of `platform` and registers its handlers; False if it was not built."""
+    info = build_info()
+    if not info[platform]:
+        return False
+    check_ffi_compatibility(info["ffi_api_version"], info["runtime_ffi_api_version"])
+    lib_name, suffix = _PLATFORMS[platform]
+    library = ctypes.CDLL(str(_library_path(lib_name)))
+    for target, symbol in TARGETS.items():
+        handler = jax.ffi.pycapsule(getattr(library, symbol + suffix))
+        try:
+            jax.ffi.register_ffi_target(target, handler, platform=_XLA_PLATFORM_NAMES[platform])
+        except Exception as error:  # XLA's own message names the API versions.
+            raise RuntimeError(
+                f"Registering jaxrec's {platform} handler {target} failed: {error}. " + _REBUILD_HINT
+            ) from error
+    return True
+
+
+def has_kernel(platform: str) -> bool:
+    """Whether jaxrec has compiled handlers for `platform` ('cpu' or 'cuda')."""
+    return platform in _PLATFORMS and _load(platform)
+
+
+def dispatch(kernel: Callable[..., Any], reference: Callable[..., Any], *args: Any,
+             backend: str = "auto") -> Any:
+    """Calls `kernel(*args)` on platforms with compiled handlers, else `reference(*args)`.
+
+    backend: "auto" (kernel where built, reference elsewhere), "kernel" (always the
+    handler; lowering fails on a platform without one) or "reference" (always the
+    pure-jnp reference).
+    The platform is the one the computation is lowered for, so this works under jit.
+    """
+    if backend == "reference":
+        return reference(*args)
+    if backend not in ("auto", "kernel"):
+        raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
+
+    if backend == "kernel":  # XLA names the target and platform if no handler is registered.
+        for platform in _PLATFORMS:
+            has_kernel(platform)
+        return kernel(*args)
+    branches = {p: (kernel if has_kernel(p) else reference) for p in _PLATFORMS}
+    return jax.lax.platform_dependent(*args, default=reference, **branches)
+

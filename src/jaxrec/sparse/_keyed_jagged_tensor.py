@@ -1,0 +1,450 @@
+"""KeyedJaggedTensor: jagged ids for several keys (features), as a pytree with static shapes."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec.sparse import _capacity
+from jaxrec.sparse import _gather
+from jaxrec.sparse._jagged_tensor import JaggedTensor
+
+
+def _check_keys(keys: Any) -> tuple[str, ...]:
+  if isinstance(keys, str):
+    raise TypeError(f"keys must be a sequence of str, got the single str {keys!r}; pass [{keys!r}].")
+  keys = tuple(keys)
+  for k in keys:
+    if not isinstance(k, str):
+      raise TypeError(f"keys must be str, got {k!r} of type {type(k).__name__}.")
+  return keys
+
+
+def _static_ints(name: str, xs: Any) -> list[int]:
+  if isinstance(xs, jax.Array):
+    raise TypeError(
+        f"{name} must be a static list of Python ints (it fixes the output shape), got a "
+        "jax.Array; pass e.g. [2, 0, 1]."
+    )
+  out = []
+  for x in xs:
+    if isinstance(x, bool) or not isinstance(x, (int, np.integer)):
+      raise TypeError(f"{name} must hold Python ints, got {x!r}.")
+    out.append(int(x))
+  return out
+
+
+@jax.tree_util.register_pytree_node_class
+class KeyedJaggedTensor:
+  """Jagged ids of several keys, key-major as in TorchRec.
+
+  ::
+
+    #              0       1        2  <-- batch
+    # "Feature0"   [V0,V1] None    [V2]
+    # "Feature1"   [V3]    [V4]    [V5,V6,V7]
+    # keys = ["Feature0", "Feature1"]; stride = 3
+    # lengths = [2, 0, 1, 1, 1, 3]; offsets = [0, 2, 2, 3, 4, 5, 8]
+    # values  = [V0, V1, V2, V3, V4, V5, V6, V7]  (+ padding up to the capacity)
+    # length_per_key = [3, 5]; offset_per_key = [0, 3, 8]
+
+  Arrays (pytree children): ``values: int[capacity]`` (int32, or int64 if given with
+  ``jax_enable_x64``), ``lengths: int32[num_keys * stride]``, optional
+  ``weights: float[capacity]``. Static (pytree aux data): ``keys`` and ``stride``.
+  Values past ``offsets[-1]`` are padding and never influence a result; outputs of the
+  methods below fill their padding with 0.
+
+  Capacity: host data (lists, NumPy) is padded to ``capacity`` or, when it is None, to
+  ``capacity_bucket(len(values))`` (next power of two, minimum 8) so that recompiles are
+  rare; ``jax.Array`` values keep their size. Keys may repeat (``permute`` with repeated
+  indices makes such KJTs); lookups by key then see the last occurrence, as in TorchRec.
+  """
+
+  def __init__(
+      self,
+      keys: Sequence[str],
+      values: Any,
+      weights: Any = None,
+      lengths: Any = None,
+      offsets: Any = None,
+      stride: int | None = None,
+      *,
+      capacity: int | None = None,
+  ):
+    keys = _check_keys(keys)
+    values, weights, lengths = _capacity.prepare_jagged(
+        values, weights, lengths, offsets, capacity, integer_values=True
+    )
+    n, num_keys = lengths.shape[0], len(keys)
+    if stride is None:
+      if num_keys == 0:
+        if n:
+          raise ValueError(f"keys is empty but lengths has {n} entries; pass keys=[...].")
+        stride = 0
+      elif n % num_keys:
+        raise ValueError(
+            f"lengths has {n} entries, not a multiple of len(keys)={num_keys}; lengths is "
+            "key-major: num_keys * stride entries (all bags of key 0, then key 1, ...)."
+        )
+      else:
+        stride = n // num_keys
+    else:
+      stride = _static_ints("stride", [stride])[0]
+      if stride < 0 or n != num_keys * stride:
+        raise ValueError(
+            f"lengths has {n} entries but len(keys) * stride = {num_keys} * {stride} = "
+            f"{num_keys * stride}; pass lengths with one entry per (key, batch) pair."
+        )
+    self._keys, self._stride = keys, stride
+    self._values, self._lengths, self._weights = values, lengths, weights
+
+  @classmethod
+  def _make(cls, keys, stride, values, lengths, weights) -> "KeyedJaggedTensor":
+    """Builds from already valid arrays (no checks, no host syncs)."""
+    kjt = object.__new__(cls)
+    kjt._keys, kjt._stride = tuple(keys), int(stride)
+    kjt._values, kjt._lengths, kjt._weights = values, lengths, weights
+    return kjt
+
+  # -- pytree ---------------------------------------------------------------------------
+  def tree_flatten(self):
+    return (self._values, self._lengths, self._weights), (self._keys, self._stride)
+
+  @classmethod
+  def tree_unflatten(cls, aux, children):
+    return cls._make(*aux, *children)
+
+  # -- constructors ---------------------------------------------------------------------
+  @staticmethod
+  def from_lengths_sync(
+      keys: Sequence[str],
+      values: Any,
+      lengths: Any,
+      weights: Any = None,
+      stride: int | None = None,
+      *,
+      capacity: int | None = None,
+  ) -> "KeyedJaggedTensor":
+    return KeyedJaggedTensor(
+        keys, values, weights=weights, lengths=lengths, stride=stride, capacity=capacity
+    )
+
+  @staticmethod
+  def from_offsets_sync(
+      keys: Sequence[str],
+      values: Any,
+      offsets: Any,
+      weights: Any = None,
+      stride: int | None = None,
+      *,
+      capacity: int | None = None,
+  ) -> "KeyedJaggedTensor":
+    return KeyedJaggedTensor(
+        keys, values, weights=weights, offsets=offsets, stride=stride, capacity=capacity
+    )
+
+  @staticmethod
+  def empty(
+      is_weighted: bool = False,
+      values_dtype: Any = jnp.int32,
+      weights_dtype: Any = jnp.float32,
+      *,
+      capacity: int = 0,
+  ) -> "KeyedJaggedTensor":
+    """A KJT with no keys (stride 0) and ``capacity`` zero values."""
+    capacity = _capacity.check_capacity_arg(capacity)
+    weights = jnp.zeros((capacity,), weights_dtype) if is_weighted else None
+    return KeyedJaggedTensor._make(
+        (), 0, jnp.zeros((capacity,), values_dtype), jnp.zeros((0,), jnp.int32), weights
+    )
+
+  @staticmethod
+  def from_jt_dict(jt_dict: Mapping[str, JaggedTensor]) -> "KeyedJaggedTensor":
+    """Keys in dict order; every JaggedTensor must have the same number of bags (stride).
+
+    Capacity = sum of the JaggedTensors' capacities.
+    """
+    if not jt_dict:
+      raise ValueError("from_jt_dict needs at least one key; use KeyedJaggedTensor.empty().")
+    keys = _check_keys(jt_dict.keys())
+    jts = list(jt_dict.values())
+    for k, jt in zip(keys, jts):
+      if not isinstance(jt, JaggedTensor):
+        raise TypeError(f"jt_dict[{k!r}] must be a JaggedTensor, got {type(jt).__name__}.")
+      if jt.values().ndim != 1 or not np.issubdtype(jt.values().dtype, np.integer):
+        raise TypeError(
+            f"jt_dict[{k!r}] must hold 1-D integer ids, got {jt.values().dtype}"
+            f"{list(jt.values().shape)}."
+        )
+    strides = [jt.lengths().shape[0] for jt in jts]
+    if len(set(strides)) != 1:
+      raise ValueError(
+          f"all JaggedTensors need the same number of bags (the stride), got "
+          f"{dict(zip(keys, strides))}."
+      )
+    return _concat_parts(keys, strides[0], jts, "jt_dict", None)
+
+  # -- accessors ------------------------------------------------------------------------
+  def keys(self) -> list[str]:
+    return list(self._keys)
+
+  def values(self) -> jax.Array:
+    return self._values
+
+  def lengths(self) -> jax.Array:
+    return self._lengths
+
+  def lengths_or_none(self) -> jax.Array:
+    return self._lengths
+
+  def offsets(self) -> jax.Array:
+    """``int32[num_keys * stride + 1]``: exclusive cumulative sum of ``lengths``."""
+    return _gather.exclusive_cumsum(self._lengths)
+
+  def offsets_or_none(self) -> jax.Array:
+    return self.offsets()
+
+  def weights(self) -> jax.Array:
+    if self._weights is None:
+      raise ValueError(
+          "this KeyedJaggedTensor has no weights; use weights_or_none(), or build it with "
+          "weights=."
+      )
+    return self._weights
+
+  def weights_or_none(self) -> jax.Array | None:
+    return self._weights
+
+  def stride(self) -> int:
+    return self._stride
+
+  def stride_per_key(self) -> list[int]:
+    return [self._stride] * len(self._keys)
+
+  def variable_stride_per_key(self) -> bool:
+    return False
+
+  @property
+  def capacity(self) -> int:
+    """Static size of ``values`` (ids plus padding)."""
+    return self._values.shape[0]
+
+  def index_per_key(self) -> dict[str, int]:
+    return {k: i for i, k in enumerate(self._keys)}  # last occurrence wins, as in TorchRec
+
+  def length_per_key(self) -> jax.Array:
+    """``int32[num_keys]``: ids per key (a traceable array; TorchRec returns a list)."""
+    return self._lengths.reshape(len(self._keys), self._stride).sum(axis=1, dtype=jnp.int32)
+
+  def offset_per_key(self) -> jax.Array:
+    """``int32[num_keys + 1]``: where each key's ids start in ``values``."""
+    return _gather.exclusive_cumsum(self.length_per_key())
+
+  def sync(self) -> "KeyedJaggedTensor":
+    return self
+
+  def unsync(self) -> "KeyedJaggedTensor":
+    return self
+
+  # -- per key --------------------------------------------------------------------------
+  def _key_index(self, key: str) -> int:
+    index = self.index_per_key()
+    if key not in index:
+      raise KeyError(f"key {key!r} is not in this KeyedJaggedTensor; its keys are {self.keys()}.")
+    return index[key]
+
+  def _jagged(self, i: int, length_per_key, offset_per_key) -> JaggedTensor:
+    values, weights = _gather.gather_segments(
+        (self._values, self._weights),
+        offset_per_key[i : i + 1],
+        length_per_key[i : i + 1],
+        self.capacity,
+    )
+    lengths = self._lengths[i * self._stride : (i + 1) * self._stride]
+    return JaggedTensor._make(values, lengths, weights)
+
+  def __getitem__(self, key: str) -> JaggedTensor:
+    """The bags of one key as a JaggedTensor with this KJT's capacity (ids moved to the front)."""
+    i = self._key_index(key)
+    return self._jagged(i, self.length_per_key(), self.offset_per_key())
+
+  def to_dict(self) -> dict[str, JaggedTensor]:
+    """``{key: JaggedTensor}``, each with this KJT's capacity."""
+    lpk, opk = self.length_per_key(), self.offset_per_key()
+    return {k: self._jagged(i, lpk, opk) for k, i in self.index_per_key().items()}
+
+  # -- re-layouts -----------------------------------------------------------------------
+  def permute(self, indices: Sequence[int], *, capacity: int | None = None) -> "KeyedJaggedTensor":
+    """Keys ``[keys[i] for i in indices]`` with their bags (repeats duplicate a key).
+
+    ::
+
+      # keys = [f0, f1, f2], indices = [2, 0, 2]  ->  keys = [f2, f0, f2]
+      # lengths = [l_f2..., l_f0..., l_f2...]; values = [v_f2..., v_f0..., v_f2...]
+
+    Output capacity (static): this capacity times the largest number of times one index
+    repeats (so without repeats it is unchanged; ``[2, 0, 2]`` doubles it) — enough for
+    any lengths. Pass ``capacity=`` to choose it yourself; it is checked when the lengths
+    are concrete, and under ``jit`` ids past it would be dropped.
+    """
+    indices = _static_ints("indices", indices)
+    num_keys = len(self._keys)
+    for i in indices:
+      if not 0 <= i < num_keys:
+        raise ValueError(
+            f"indices must be in [0, {num_keys}) (one per key of {self.keys()}), got {i}."
+        )
+    if capacity is None:
+      repeats = max(np.bincount(indices).max(initial=0) if indices else 0, 1)
+      capacity = self.capacity * int(repeats)
+    capacity = _capacity.check_capacity_arg(capacity)
+    lpk, opk = self.length_per_key(), self.offset_per_key()
+    idx = np.asarray(indices, np.int32)
+    _check_fits(lpk[idx] if indices else None, capacity)
+    values, weights = _gather.gather_segments(
+        (self._values, self._weights), opk[:-1][idx], lpk[idx], capacity
+    )
+    lengths = self._lengths.reshape(num_keys, self._stride)[idx].reshape(-1)
+    keys = [self._keys[i] for i in indices]
+    return KeyedJaggedTensor._make(keys, self._stride, values, lengths, weights)
+
+  def split(self, segments: Sequence[int]) -> list["KeyedJaggedTensor"]:
+    """Consecutive groups of ``segments[j]`` keys, one KJT each (stride kept).
+
+    ::
+
+      # keys = [f0, f1, f2], segments = [1, 0, 2]
+      # -> [KJT([f0]), KJT([]), KJT([f1, f2])]
+
+    A segment of 0 gives a KJT with no keys and capacity 0; a segment that covers every
+    key returns this KJT; the others keep this capacity. As in TorchRec, keys past
+    ``sum(segments)`` are dropped.
+    """
+    segments = _static_ints("segments", segments)
+    num_keys = len(self._keys)
+    if any(s < 0 for s in segments) or sum(segments) > num_keys:
+      raise ValueError(
+          f"segments must be >= 0 and sum to at most len(keys)={num_keys}, got {segments}."
+      )
+    opk = self.offset_per_key()
+    lpk = self.length_per_key()
+    out, start = [], 0
+    for seg in segments:
+      end, stride = start + seg, self._stride
+      if seg == num_keys:
+        out.append(self)
+      elif seg == 0:
+        weights = None if self._weights is None else jnp.zeros((0,), self._weights.dtype)
+        out.append(
+            KeyedJaggedTensor._make(
+                (), stride, jnp.zeros((0,), self._values.dtype), jnp.zeros((0,), jnp.int32), weights
+            )
+        )
+      else:
+        values, weights = _gather.gather_segments(
+            (self._values, self._weights),
+            opk[start : start + 1],
+            lpk[start:end].sum(keepdims=True),
+            self.capacity,
+        )
+        lengths = self._lengths[start * stride : end * stride]
+        out.append(KeyedJaggedTensor._make(self._keys[start:end], stride, values, lengths, weights))
+      start = end
+    return out
+
+  @staticmethod
+  def concat(
+      kjt_list: Sequence["KeyedJaggedTensor"], *, capacity: int | None = None
+  ) -> "KeyedJaggedTensor":
+    """Keys, lengths and values of each KJT one after the other (same stride for all).
+
+    Output capacity = sum of the capacities unless ``capacity=`` is passed (checked when
+    the lengths are concrete). KJTs with no keys (e.g. empty ``split`` segments) are
+    allowed whatever their stride.
+    """
+    kjt_list = list(kjt_list)
+    if not kjt_list:
+      raise ValueError("concat needs at least one KeyedJaggedTensor, got [].")
+    for i, kjt in enumerate(kjt_list):
+      if not isinstance(kjt, KeyedJaggedTensor):
+        raise TypeError(f"kjt_list[{i}] must be a KeyedJaggedTensor, got {type(kjt).__name__}.")
+    weighted = [k._weights is not None for k in kjt_list]
+    if len(set(weighted)) != 1:
+      raise ValueError(
+          f"cannot concat weighted with unweighted KJTs (weighted: {weighted}); add weights "
+          "(e.g. ones) to the unweighted ones."
+      )
+    dtypes = {str(k._values.dtype) for k in kjt_list}
+    if len(dtypes) != 1:
+      raise TypeError(f"all KJTs must have one values dtype, got {sorted(dtypes)}; cast first.")
+    strides = {k._stride for k in kjt_list if k._keys}
+    if len(strides) > 1:
+      raise ValueError(
+          f"all KJTs must have the same stride, got {[k._stride for k in kjt_list]}."
+      )
+    stride = strides.pop() if strides else kjt_list[0]._stride
+    keys = sum((k._keys for k in kjt_list), ())
+    return _concat_parts(keys, stride, kjt_list, "kjt_list", capacity)
+
+  def __repr__(self) -> str:
+    leaves = (self._values, self._lengths, self._weights)
+    if any(_capacity.is_traced(x) for x in leaves) or not all(
+        isinstance(x, (jax.Array, np.ndarray)) for x in leaves if x is not None
+    ):
+      w = "None" if self._weights is None else f"{self._weights.dtype}{list(self._weights.shape)}"
+      return (
+          f"KeyedJaggedTensor(keys={self.keys()}, stride={self._stride}, "
+          f"values={self._values.dtype}{list(self._values.shape)}, "
+          f"lengths={self._lengths.dtype}{list(self._lengths.shape)}, weights={w})"
+      )
+    if not self._keys:
+      return f"KeyedJaggedTensor(stride={self._stride})"
+    lengths = np.asarray(self._lengths).reshape(len(self._keys), self._stride)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
+    values = np.asarray(self._values)
+    weights = None if self._weights is None else np.asarray(self._weights)
+    lines = []
+    for i, key in enumerate(self._keys):
+      spans = [(offsets[i * self._stride + b], offsets[i * self._stride + b + 1]) for b in range(self._stride)]
+      bags = [values[s:e].tolist() for s, e in spans]
+      if weights is None:
+        lines.append(f"    {key!r}: {bags}")
+      else:
+        lines.append(f"    {key!r}: {{'values': {bags}, 'weights': {[weights[s:e].tolist() for s, e in spans]}}}")
+    return (
+        f"KeyedJaggedTensor(stride={self._stride}, capacity={self.capacity}, {{\n"
+        + ",\n".join(lines)
+        + "\n})"
+    )
+
+
+def _check_fits(seg_lengths: jax.Array | None, capacity: int) -> None:
+  host = _capacity.concrete_or_none(seg_lengths)
+  if host is not None and int(host.sum(dtype=np.int64)) > capacity:
+    raise ValueError(
+        f"the result has {int(host.sum(dtype=np.int64))} ids but capacity={capacity}; pass "
+        f"capacity>={int(host.sum(dtype=np.int64))} (or capacity=None for a safe bound)."
+    )
+
+
+def _concat_parts(keys, stride, parts, name, capacity) -> KeyedJaggedTensor:
+  """Concatenates the ids of JaggedTensors / KJTs (``parts``) into one KJT."""
+  values = [p.values() for p in parts]
+  weights = None if parts[0].weights_or_none() is None else [p.weights() for p in parts]
+  if weights is not None and any(w is None for w in weights):
+    raise ValueError(f"all of {name} must be weighted, or none.")
+  caps = [v.shape[0] for v in values]
+  starts = jnp.asarray(np.cumsum([0] + caps[:-1]), jnp.int32)
+  totals = jnp.stack([p.lengths().sum(dtype=jnp.int32) for p in parts])
+  if capacity is None:
+    capacity = sum(caps)
+  capacity = _capacity.check_capacity_arg(capacity)
+  _check_fits(totals, capacity)
+  flat_v = jnp.concatenate(values)
+  flat_w = None if weights is None else jnp.concatenate(weights)
+  out_v, out_w = _gather.gather_segments((flat_v, flat_w), starts, totals, capacity)
+  lengths = jnp.concatenate([p.lengths() for p in parts])
+  return KeyedJaggedTensor._make(keys, stride, out_v, lengths, out_w)
