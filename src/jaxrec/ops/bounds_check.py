@@ -37,6 +37,7 @@ Where jaxrec differs from FBGEMM, and why:
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -92,8 +93,14 @@ def bounds_check_indices(
     indices, offsets, rows = _validate(rows_per_table, indices, offsets)
     if mode == BoundsCheckMode.NONE:
         return BoundsCheckResult(indices, offsets, jnp.zeros((), jnp.int32))
-    labels = _labels(rows.shape[0], feature_names, table_names)
+    labels = tuple(_labels(rows.shape[0], feature_names, table_names))
+    return BoundsCheckResult(*_bounds_check(rows, indices, offsets, mode=mode, labels=labels,
+                                            backend=backend))
 
+
+# jit caches the lowering per static configuration, so eager calls do not retrace.
+@functools.partial(jax.jit, static_argnames=("mode", "labels", "backend"))
+def _bounds_check(rows, indices, offsets, *, mode, labels, backend):
     def kernel(rows, indices, offsets):
         call = jax.ffi.ffi_call(
             _TARGET,
@@ -111,8 +118,7 @@ def bounds_check_indices(
     def reference(rows, indices, offsets):
         return bounds_check_indices_reference(rows, indices, offsets, mode, labels)
 
-    return BoundsCheckResult(*_ffi.dispatch(kernel, reference, rows, indices, offsets,
-                                            backend=backend))
+    return _ffi.dispatch(kernel, reference, rows, indices, offsets, backend=backend)
 
 
 def bounds_check_indices_reference(rows, indices, offsets, mode: BoundsCheckMode,
@@ -140,11 +146,8 @@ def bounds_check_indices_reference(rows, indices, offsets, mode: BoundsCheckMode
         report = (jnp.any(bad_bag), first_bag, offsets[first_bag], offsets[first_bag + 1],
                   jnp.any(bad_id), first_id, indices[first_id] if n else 0, safe_bag[first_id] if n else 0,
                   num_rows[first_id] if n else 0)
-        raise_fatal = lambda *r: _raise_fatal(labels, batch_size, n, *r)  # noqa: E731
-        if any(isinstance(x, jax.core.Tracer) for x in (indices, offsets)):
-            jax.debug.callback(raise_fatal, *report)
-        else:
-            raise_fatal(*report)
+        # Raised when the computation runs (a JaxRuntimeError carrying this message).
+        jax.debug.callback(functools.partial(_raise_fatal, labels, batch_size, n), *report)
         return indices, offsets, jnp.zeros((), jnp.int32)
 
     count = jnp.sum(bad_bag, dtype=jnp.int32) + jnp.sum(bad_id, dtype=jnp.int32)

@@ -9,14 +9,20 @@ segments laid end to end, then zero padding up to a static output capacity::
 
 Output slot ``p`` finds its segment with ``searchsorted`` over the output offsets, so the
 cost is O(out_capacity * log(num_segments)) and no value outside a segment is ever read.
+
+The entry points are jitted (static sizes) so that eager use compiles once per shape
+instead of dispatching op by op; under an outer ``jit`` they are inlined.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
 
 
+@jax.jit
 def exclusive_cumsum(lengths: jax.Array) -> jax.Array:
   """``[0, l0, l0+l1, ...]``: offsets (int32, one longer than ``lengths``)."""
   lengths = lengths.astype(jnp.int32)
@@ -59,6 +65,7 @@ def take_valid(x: jax.Array, src: jax.Array, valid: jax.Array) -> jax.Array:
   return jnp.where(mask, gathered, jnp.zeros((), x.dtype))
 
 
+@functools.partial(jax.jit, static_argnums=3)
 def gather_segments(
     arrays: tuple[jax.Array | None, ...],
     starts: jax.Array,
@@ -70,6 +77,7 @@ def gather_segments(
   return tuple(None if a is None else take_valid(a, src, valid) for a in arrays)
 
 
+@functools.partial(jax.jit, static_argnums=2)
 def padded_dense(
     x: jax.Array, offsets: jax.Array, desired_length: int, padding_value
 ) -> jax.Array:

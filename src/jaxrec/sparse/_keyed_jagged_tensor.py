@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -185,7 +186,12 @@ class KeyedJaggedTensor:
           f"all JaggedTensors need the same number of bags (the stride), got "
           f"{dict(zip(keys, strides))}."
       )
-    return _concat_parts(keys, strides[0], jts, "jt_dict", None)
+    weighted = [jt.weights_or_none() is not None for jt in jts]
+    if len(set(weighted)) != 1:
+      raise ValueError(
+          f"all JaggedTensors must be weighted, or none (weighted: {dict(zip(keys, weighted))})."
+      )
+    return _concat_parts(keys, strides[0], jts, None)
 
   # -- accessors ------------------------------------------------------------------------
   def keys(self) -> list[str]:
@@ -237,11 +243,11 @@ class KeyedJaggedTensor:
 
   def length_per_key(self) -> jax.Array:
     """``int32[num_keys]``: ids per key (a traceable array; TorchRec returns a list)."""
-    return self._lengths.reshape(len(self._keys), self._stride).sum(axis=1, dtype=jnp.int32)
+    return _length_per_key(self)
 
   def offset_per_key(self) -> jax.Array:
     """``int32[num_keys + 1]``: where each key's ids start in ``values``."""
-    return _gather.exclusive_cumsum(self.length_per_key())
+    return _offset_per_key(self)
 
   def sync(self) -> "KeyedJaggedTensor":
     return self
@@ -250,31 +256,16 @@ class KeyedJaggedTensor:
     return self
 
   # -- per key --------------------------------------------------------------------------
-  def _key_index(self, key: str) -> int:
+  def __getitem__(self, key: str) -> JaggedTensor:
+    """The bags of one key as a JaggedTensor with this KJT's capacity (ids moved to the front)."""
     index = self.index_per_key()
     if key not in index:
       raise KeyError(f"key {key!r} is not in this KeyedJaggedTensor; its keys are {self.keys()}.")
-    return index[key]
-
-  def _jagged(self, i: int, length_per_key, offset_per_key) -> JaggedTensor:
-    values, weights = _gather.gather_segments(
-        (self._values, self._weights),
-        offset_per_key[i : i + 1],
-        length_per_key[i : i + 1],
-        self.capacity,
-    )
-    lengths = self._lengths[i * self._stride : (i + 1) * self._stride]
-    return JaggedTensor._make(values, lengths, weights)
-
-  def __getitem__(self, key: str) -> JaggedTensor:
-    """The bags of one key as a JaggedTensor with this KJT's capacity (ids moved to the front)."""
-    i = self._key_index(key)
-    return self._jagged(i, self.length_per_key(), self.offset_per_key())
+    return _jagged_at(self, index[key])
 
   def to_dict(self) -> dict[str, JaggedTensor]:
     """``{key: JaggedTensor}``, each with this KJT's capacity."""
-    lpk, opk = self.length_per_key(), self.offset_per_key()
-    return {k: self._jagged(i, lpk, opk) for k, i in self.index_per_key().items()}
+    return _to_dict(self)
 
   # -- re-layouts -----------------------------------------------------------------------
   def permute(self, indices: Sequence[int], *, capacity: int | None = None) -> "KeyedJaggedTensor":
@@ -290,7 +281,7 @@ class KeyedJaggedTensor:
     any lengths. Pass ``capacity=`` to choose it yourself; it is checked when the lengths
     are concrete, and under ``jit`` ids past it would be dropped.
     """
-    indices = _static_ints("indices", indices)
+    indices = tuple(_static_ints("indices", indices))
     num_keys = len(self._keys)
     for i in indices:
       if not 0 <= i < num_keys:
@@ -298,18 +289,13 @@ class KeyedJaggedTensor:
             f"indices must be in [0, {num_keys}) (one per key of {self.keys()}), got {i}."
         )
     if capacity is None:
-      repeats = max(np.bincount(indices).max(initial=0) if indices else 0, 1)
-      capacity = self.capacity * int(repeats)
+      repeats = int(np.bincount(indices).max()) if indices else 1
+      capacity = self.capacity * max(repeats, 1)
     capacity = _capacity.check_capacity_arg(capacity)
-    lpk, opk = self.length_per_key(), self.offset_per_key()
-    idx = np.asarray(indices, np.int32)
-    _check_fits(lpk[idx] if indices else None, capacity)
-    values, weights = _gather.gather_segments(
-        (self._values, self._weights), opk[:-1][idx], lpk[idx], capacity
-    )
-    lengths = self._lengths.reshape(num_keys, self._stride)[idx].reshape(-1)
-    keys = [self._keys[i] for i in indices]
-    return KeyedJaggedTensor._make(keys, self._stride, values, lengths, weights)
+    host_lpk = _host_length_per_key(self)
+    if host_lpk is not None:
+      _check_fits(int(host_lpk[list(indices)].sum()), capacity)
+    return _permute(self, indices, capacity)
 
   def split(self, segments: Sequence[int]) -> list["KeyedJaggedTensor"]:
     """Consecutive groups of ``segments[j]`` keys, one KJT each (stride kept).
@@ -323,43 +309,24 @@ class KeyedJaggedTensor:
     key returns this KJT; the others keep this capacity. As in TorchRec, keys past
     ``sum(segments)`` are dropped.
     """
-    segments = _static_ints("segments", segments)
+    segments = tuple(_static_ints("segments", segments))
     num_keys = len(self._keys)
     if any(s < 0 for s in segments) or sum(segments) > num_keys:
       raise ValueError(
-          f"segments must be >= 0 and sum to at most len(keys)={num_keys}, got {segments}."
+          f"segments must be >= 0 and sum to at most len(keys)={num_keys}, got {list(segments)}."
       )
-    opk = self.offset_per_key()
-    lpk = self.length_per_key()
-    out, start = [], 0
-    for seg in segments:
-      end, stride = start + seg, self._stride
-      if seg == num_keys:
-        out.append(self)
-      elif seg == 0:
-        weights = None if self._weights is None else jnp.zeros((0,), self._weights.dtype)
-        out.append(
-            KeyedJaggedTensor._make(
-                (), stride, jnp.zeros((0,), self._values.dtype), jnp.zeros((0,), jnp.int32), weights
-            )
-        )
-      else:
-        values, weights = _gather.gather_segments(
-            (self._values, self._weights),
-            opk[start : start + 1],
-            lpk[start:end].sum(keepdims=True),
-            self.capacity,
-        )
-        lengths = self._lengths[start * stride : end * stride]
-        out.append(KeyedJaggedTensor._make(self._keys[start:end], stride, values, lengths, weights))
-      start = end
-    return out
+    out = _split(self, segments)
+    return [self if seg == num_keys else kjt for seg, kjt in zip(segments, out)]
 
   @staticmethod
   def concat(
       kjt_list: Sequence["KeyedJaggedTensor"], *, capacity: int | None = None
   ) -> "KeyedJaggedTensor":
     """Keys, lengths and values of each KJT one after the other (same stride for all).
+
+    ::
+
+      # [KJT([f0, f1]), KJT([g0])] -> KJT([f0, f1, g0]); lengths and ids in that order
 
     Output capacity = sum of the capacities unless ``capacity=`` is passed (checked when
     the lengths are concrete). KJTs with no keys (e.g. empty ``split`` segments) are
@@ -387,7 +354,7 @@ class KeyedJaggedTensor:
       )
     stride = strides.pop() if strides else kjt_list[0]._stride
     keys = sum((k._keys for k in kjt_list), ())
-    return _concat_parts(keys, stride, kjt_list, "kjt_list", capacity)
+    return _concat_parts(keys, stride, kjt_list, capacity)
 
   def __repr__(self) -> str:
     leaves = (self._values, self._lengths, self._weights)
@@ -421,28 +388,102 @@ class KeyedJaggedTensor:
     )
 
 
-def _check_fits(seg_lengths: jax.Array | None, capacity: int) -> None:
-  host = _capacity.concrete_or_none(seg_lengths)
-  if host is not None and int(host.sum(dtype=np.int64)) > capacity:
+def _check_fits(needed: int, capacity: int) -> None:
+  if needed > capacity:
     raise ValueError(
-        f"the result has {int(host.sum(dtype=np.int64))} ids but capacity={capacity}; pass "
-        f"capacity>={int(host.sum(dtype=np.int64))} (or capacity=None for a safe bound)."
+        f"the result has {needed} ids but capacity={capacity}; pass capacity>={needed} (or "
+        "capacity=None for a safe bound)."
     )
 
 
-def _concat_parts(keys, stride, parts, name, capacity) -> KeyedJaggedTensor:
+def _host_length_per_key(kjt: KeyedJaggedTensor) -> np.ndarray | None:
+  host = _capacity.concrete_or_none(kjt._lengths)
+  if host is None:
+    return None
+  return host.reshape(len(kjt._keys), kjt._stride).sum(axis=1, dtype=np.int64)
+
+
+def _concat_parts(keys, stride, parts, capacity) -> KeyedJaggedTensor:
   """Concatenates the ids of JaggedTensors / KJTs (``parts``) into one KJT."""
+  caps = [p.values().shape[0] for p in parts]
+  capacity = _capacity.check_capacity_arg(sum(caps) if capacity is None else capacity)
+  hosts = [_capacity.concrete_or_none(p.lengths()) for p in parts]
+  if all(h is not None for h in hosts):
+    _check_fits(sum(int(h.sum(dtype=np.int64)) for h in hosts), capacity)
+  return _concat(list(parts), tuple(keys), stride, capacity)
+
+
+# Jitted bodies: eager calls compile once per static signature instead of op by op.
+
+
+@jax.jit
+def _length_per_key(kjt: KeyedJaggedTensor) -> jax.Array:
+  return kjt._lengths.reshape(len(kjt._keys), kjt._stride).sum(axis=1, dtype=jnp.int32)
+
+
+@jax.jit
+def _offset_per_key(kjt: KeyedJaggedTensor) -> jax.Array:
+  return _gather.exclusive_cumsum(_length_per_key(kjt))
+
+
+def _segment(kjt: KeyedJaggedTensor, start: int, end: int, capacity: int):
+  """Values/weights of keys ``start:end`` (contiguous), moved to the front."""
+  opk = _offset_per_key(kjt)
+  return _gather.gather_segments(
+      (kjt._values, kjt._weights),
+      opk[start : start + 1],
+      (opk[end] - opk[start]).reshape(1),
+      capacity,
+  )
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _jagged_at(kjt: KeyedJaggedTensor, i: int) -> JaggedTensor:
+  values, weights = _segment(kjt, i, i + 1, kjt.capacity)
+  lengths = kjt._lengths[i * kjt._stride : (i + 1) * kjt._stride]
+  return JaggedTensor._make(values, lengths, weights)
+
+
+@jax.jit
+def _to_dict(kjt: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+  return {k: _jagged_at(kjt, i) for k, i in kjt.index_per_key().items()}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _permute(kjt: KeyedJaggedTensor, indices: tuple[int, ...], capacity: int) -> KeyedJaggedTensor:
+  lpk, opk = _length_per_key(kjt), _offset_per_key(kjt)
+  idx = np.asarray(indices, np.int32)
+  values, weights = _gather.gather_segments(
+      (kjt._values, kjt._weights), opk[:-1][idx], lpk[idx], capacity
+  )
+  lengths = kjt._lengths.reshape(len(kjt._keys), kjt._stride)[idx].reshape(-1)
+  keys = [kjt._keys[i] for i in indices]
+  return KeyedJaggedTensor._make(keys, kjt._stride, values, lengths, weights)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split(kjt: KeyedJaggedTensor, segments: tuple[int, ...]) -> list[KeyedJaggedTensor]:
+  out, start, stride = [], 0, kjt._stride
+  for seg in segments:
+    end = start + seg
+    if seg == 0:
+      values = jnp.zeros((0,), kjt._values.dtype)
+      weights = None if kjt._weights is None else jnp.zeros((0,), kjt._weights.dtype)
+    else:
+      values, weights = _segment(kjt, start, end, kjt.capacity)
+    lengths = kjt._lengths[start * stride : end * stride]
+    out.append(KeyedJaggedTensor._make(kjt._keys[start:end], stride, values, lengths, weights))
+    start = end
+  return out
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def _concat(parts, keys, stride, capacity) -> KeyedJaggedTensor:
   values = [p.values() for p in parts]
   weights = None if parts[0].weights_or_none() is None else [p.weights() for p in parts]
-  if weights is not None and any(w is None for w in weights):
-    raise ValueError(f"all of {name} must be weighted, or none.")
   caps = [v.shape[0] for v in values]
   starts = jnp.asarray(np.cumsum([0] + caps[:-1]), jnp.int32)
   totals = jnp.stack([p.lengths().sum(dtype=jnp.int32) for p in parts])
-  if capacity is None:
-    capacity = sum(caps)
-  capacity = _capacity.check_capacity_arg(capacity)
-  _check_fits(totals, capacity)
   flat_v = jnp.concatenate(values)
   flat_w = None if weights is None else jnp.concatenate(weights)
   out_v, out_w = _gather.gather_segments((flat_v, flat_w), starts, totals, capacity)

@@ -1,0 +1,56 @@
+"""Test set-up shared by every test module.
+
+* Eight virtual CPU devices (sharding tests need a mesh) and strict dtype promotion.
+* ``@pytest.mark.gpu`` tests run only where JAX sees a CUDA GPU and jaxrec's CUDA
+  library was built; elsewhere they are skipped, with the reason.
+"""
+
+import contextlib
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+def cuda_available() -> bool:
+    try:
+        return bool(jax.devices("cuda"))
+    except RuntimeError:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if cuda_available():
+        import jaxrec
+
+        if jaxrec.build_info()["cuda"]:
+            return
+        reason = "jaxrec was built without its CUDA library (see jaxrec.build_info())"
+    else:
+        reason = "no CUDA GPU visible to JAX"
+    skip = pytest.mark.skip(reason=reason)
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@contextlib.contextmanager
+def x64_enabled():
+    """64-bit JAX types inside the block (int64 ids)."""
+    old = jax.config.jax_enable_x64
+    jax.config.update("jax_enable_x64", True)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_x64", old)
+
+
+@pytest.fixture(params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def platform(request):
+    """Runs a test once with the CPU handlers and once (marked gpu) with the CUDA ones."""
+    with jax.default_device(jax.devices(request.param)[0]):
+        yield request.param
