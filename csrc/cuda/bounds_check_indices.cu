@@ -1,6 +1,8 @@
 // CUDA handler of bounds_check_indices (see common/bounds_check.h for the definition).
 //
-// 1. A CUB max-scan over the offsets gives the corrected offsets in one pass.
+// 1. One block scans the offsets (running max of the clamped offsets) into the
+//    corrected offsets. A single block needs no scratch memory (XLA's FFI scratch
+//    allocator is not available to GPU handlers here); T*B+1 offsets are few.
 // 2. One warp per bag checks the bag against its original end and its ids,
 //    fixes bad ids in place (indices are aliased) and counts corrections.
 // FATAL mode keeps the offsets, records the first bad bag / id with atomicMin
@@ -9,7 +11,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cub/device/device_scan.cuh>
 #include <limits>
 #include <string>
 
@@ -31,15 +32,58 @@ struct Report {
 };
 static_assert(sizeof(Report) == 16, "report is int32[4]");
 
+constexpr int kScanThreads = 1024;
+constexpr int kScanItems = 8;  // consecutive offsets per thread and tile
+
+// offsets[i] = max(clamp(offsets_in[0..i], 0, num_indices)), tile by tile with a carry.
 template <typename T>
-struct ClampedMax {
-  T num_indices;
-  __device__ T operator()(T a, T b) const {
-    a = ClampOffset(a, num_indices);
-    b = ClampOffset(b, num_indices);
-    return a > b ? a : b;
+__global__ void __launch_bounds__(kScanThreads) ScanClampedMax(const T* __restrict__ offsets_in,
+                                                               T* __restrict__ offsets, int64_t n,
+                                                               T num_indices) {
+  __shared__ T warp_max[kScanThreads / kWarpSize];
+  const int lane = threadIdx.x % kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  T carry = 0;  // every clamped offset is >= 0, so 0 is the identity of max
+  for (int64_t tile = 0; tile < n; tile += int64_t{kScanThreads} * kScanItems) {
+    const int64_t first = tile + int64_t{threadIdx.x} * kScanItems;
+    T items[kScanItems];
+    T running = 0;
+#pragma unroll
+    for (int j = 0; j < kScanItems; ++j) {
+      const T value = first + j < n ? ClampOffset(offsets_in[first + j], num_indices) : T{0};
+      running = value > running ? value : running;
+      items[j] = running;
+    }
+    T inclusive = running;  // inclusive max-scan over the lanes of the warp
+#pragma unroll
+    for (int s = 1; s < kWarpSize; s *= 2) {
+      const T other = __shfl_up_sync(0xffffffff, inclusive, s);
+      if (lane >= s && other > inclusive) inclusive = other;
+    }
+    if (lane == kWarpSize - 1) warp_max[warp] = inclusive;
+    __syncthreads();
+    if (warp == 0) {
+      T total = warp_max[lane];
+#pragma unroll
+      for (int s = 1; s < kWarpSize; s *= 2) {
+        const T other = __shfl_up_sync(0xffffffff, total, s);
+        if (lane >= s && other > total) total = other;
+      }
+      warp_max[lane] = total;
+    }
+    __syncthreads();
+    T prefix = __shfl_up_sync(0xffffffff, inclusive, 1);
+    if (lane == 0) prefix = 0;
+    if (warp > 0 && warp_max[warp - 1] > prefix) prefix = warp_max[warp - 1];
+    if (carry > prefix) prefix = carry;
+#pragma unroll
+    for (int j = 0; j < kScanItems; ++j) {
+      if (first + j < n) offsets[first + j] = items[j] > prefix ? items[j] : prefix;
+    }
+    if (warp_max[kScanThreads / kWarpSize - 1] > carry) carry = warp_max[kScanThreads / kWarpSize - 1];
+    __syncthreads();  // warp_max is rewritten by the next tile
   }
-};
+}
 
 template <typename T>
 __global__ void CheckBags(const T* __restrict__ rows_per_table, T* __restrict__ indices,
@@ -48,10 +92,6 @@ __global__ void CheckBags(const T* __restrict__ rows_per_table, T* __restrict__ 
                           Report* report) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * kBagsPerBlock + threadIdx.y;
   const int lane = threadIdx.x;
-  // The scan leaves offsets[0] unclamped; no bag reads it (bag 0 starts from offsets_in[0]).
-  if (k == 0 && lane == 0 && mode != BoundsCheckMode::kFatal) {
-    offsets[0] = ClampOffset(offsets_in[0], num_indices);
-  }
   if (k >= num_bags) return;
 
   T start = k == 0 ? offsets_in[0] : offsets[k];
@@ -65,7 +105,7 @@ __global__ void CheckBags(const T* __restrict__ rows_per_table, T* __restrict__ 
   }
   if (mode != BoundsCheckMode::kFatal) {
     start = ClampOffset(start, num_indices);
-    end = offsets[k + 1];  // already clamped by the scan (k + 1 >= 1)
+    end = offsets[k + 1];  // corrected by the scan
   }
 
   const T num_rows = rows_per_table[k / batch_size];
@@ -107,8 +147,7 @@ T ReadOne(const T* device_ptr, cudaStream_t stream) {
 }
 
 template <typename T>
-ffi::Error BoundsCheck(cudaStream_t stream, ffi::ScratchAllocator& scratch,
-                       const T* rows_per_table, int64_t num_features, T* indices,
+ffi::Error BoundsCheck(cudaStream_t stream, const T* rows_per_table, int64_t num_features, T* indices,
                        int64_t num_indices, const T* offsets_in, T* offsets, int64_t num_bags,
                        BoundsCheckMode mode, std::string_view labels, Report* report) {
   const int64_t batch_size = num_features > 0 ? num_bags / num_features : 1;
@@ -121,22 +160,12 @@ ffi::Error BoundsCheck(cudaStream_t stream, ffi::ScratchAllocator& scratch,
                                                 cudaMemcpyDeviceToDevice, stream),
                                 "copy offsets");
   } else {
-    size_t temp_bytes = 0;
-    ClampedMax<T> op{n};
-    JAXREC_CUDA_RETURN_IF_ERROR(cub::DeviceScan::InclusiveScan(nullptr, temp_bytes, offsets_in,
-                                                               offsets, op, num_bags + 1, stream),
-                                "scan size");
-    auto temp = scratch.Allocate(temp_bytes, 256);
-    if (!temp.has_value()) {
-      return ffi::Error(ffi::ErrorCode::kResourceExhausted,
-                        "bounds_check_indices: no scratch memory for the scan");
-    }
-    JAXREC_CUDA_RETURN_IF_ERROR(cub::DeviceScan::InclusiveScan(*temp, temp_bytes, offsets_in,
-                                                               offsets, op, num_bags + 1, stream),
-                                "scan");
+    ScanClampedMax<T><<<1, kScanThreads, 0, stream>>>(offsets_in, offsets, num_bags + 1, n);
+    JAXREC_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "scan launch");
   }
+  if (num_bags == 0) return ffi::Error::Success();
 
-  const int64_t blocks = num_bags > 0 ? (num_bags + kBagsPerBlock - 1) / kBagsPerBlock : 1;
+  const int64_t blocks = (num_bags + kBagsPerBlock - 1) / kBagsPerBlock;
   CheckBags<T><<<static_cast<unsigned>(blocks), dim3(kWarpSize, kBagsPerBlock), 0, stream>>>(
       rows_per_table, indices, n, offsets_in, offsets, num_bags, batch_size, mode, report);
   JAXREC_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch");
@@ -163,8 +192,7 @@ ffi::Error BoundsCheck(cudaStream_t stream, ffi::ScratchAllocator& scratch,
   return ffi::Error::Success();
 }
 
-ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::ScratchAllocator scratch,
-                                  ffi::AnyBuffer rows_per_table, ffi::AnyBuffer indices_in,
+ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::AnyBuffer rows_per_table, ffi::AnyBuffer indices_in,
                                   ffi::AnyBuffer offsets_in, ffi::Result<ffi::AnyBuffer> indices,
                                   ffi::Result<ffi::AnyBuffer> offsets,
                                   ffi::Result<ffi::Buffer<ffi::S32>> report, int32_t mode,
@@ -184,7 +212,7 @@ ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::ScratchAllocator scr
                           num_indices * sizeof(T), cudaMemcpyDeviceToDevice, stream),
           "copy indices");
     }
-    return BoundsCheck<T>(stream, scratch, rows_per_table.typed_data<T>(), num_features,
+    return BoundsCheck<T>(stream, rows_per_table.typed_data<T>(), num_features,
                           indices->typed_data<T>(), num_indices, offsets_in.typed_data<T>(),
                           offsets->typed_data<T>(), num_bags, static_cast<BoundsCheckMode>(mode),
                           labels, reinterpret_cast<Report*>(report->typed_data()));
@@ -197,7 +225,6 @@ ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::ScratchAllocator scr
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBoundsCheckIndicesCuda, jaxrec::BoundsCheckIndicesCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::AnyBuffer>()  // rows_per_table
                                   .Arg<xla::ffi::AnyBuffer>()  // indices
                                   .Arg<xla::ffi::AnyBuffer>()  // offsets

@@ -264,8 +264,9 @@ class KeyedJaggedTensor:
     return _jagged_at(self, index[key])
 
   def to_dict(self) -> dict[str, JaggedTensor]:
-    """``{key: JaggedTensor}``, each with this KJT's capacity."""
-    return _to_dict(self)
+    """``{key: JaggedTensor}`` in key order, each with this KJT's capacity."""
+    jts = _to_dict(self)  # a jitted call returns its dict sorted by key: restore key order
+    return {k: jts[k] for k in self.index_per_key()}
 
   # -- re-layouts -----------------------------------------------------------------------
   def permute(self, indices: Sequence[int], *, capacity: int | None = None) -> "KeyedJaggedTensor":
@@ -305,9 +306,10 @@ class KeyedJaggedTensor:
       # keys = [f0, f1, f2], segments = [1, 0, 2]
       # -> [KJT([f0]), KJT([]), KJT([f1, f2])]
 
-    A segment of 0 gives a KJT with no keys and capacity 0; a segment that covers every
-    key returns this KJT; the others keep this capacity. As in TorchRec, keys past
-    ``sum(segments)`` are dropped.
+    A segment of 0 gives a KJT with no keys and capacity 0; the others keep this
+    capacity (a segment covering every key is a copy with its padding zeroed, where
+    TorchRec returns the KJT itself). As in TorchRec, keys past ``sum(segments)`` are
+    dropped.
     """
     segments = tuple(_static_ints("segments", segments))
     num_keys = len(self._keys)
@@ -315,8 +317,7 @@ class KeyedJaggedTensor:
       raise ValueError(
           f"segments must be >= 0 and sum to at most len(keys)={num_keys}, got {list(segments)}."
       )
-    out = _split(self, segments)
-    return [self if seg == num_keys else kjt for seg, kjt in zip(segments, out)]
+    return _split(self, segments)
 
   @staticmethod
   def concat(
