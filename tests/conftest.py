@@ -5,7 +5,6 @@
   library was built; elsewhere they are skipped, with the reason.
 """
 
-import contextlib
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -38,9 +37,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@contextlib.contextmanager
-def x64_enabled():
-    """64-bit JAX types inside the block (int64 ids)."""
+@pytest.fixture
+def x64():
+    """64-bit JAX types during the test (int64 ids)."""
     old = jax.config.jax_enable_x64
     jax.config.update("jax_enable_x64", True)
     try:

@@ -7,7 +7,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import x64_enabled
 
 from jaxrec import _ffi
 from jaxrec.ops import BoundsCheckMode, bounds_check_indices
@@ -73,20 +72,19 @@ def test_corrections_match_fbgemm_model(platform, backend, mode):
         assert int(got.num_corrected) == want_count
 
 
-def test_int64_ids(platform):
+def test_int64_ids(platform, x64):
     rng = np.random.default_rng(1)
-    with x64_enabled():
-        for _ in range(10):
-            rows, indices, offsets = random_case(rng, dtype=np.int64)
-            rows = rows * 10**10  # row counts past int32
-            indices[indices == 10**6] = 10**11
-            want = fbgemm_model(rows, indices, offsets, BoundsCheckMode.WARNING)
-            for backend in ("kernel", "reference"):
-                got = bounds_check_indices(rows, indices, offsets, "warning", backend=backend)
-                assert got.indices.dtype == jnp.int64
-                np.testing.assert_array_equal(got.indices, want[0])
-                np.testing.assert_array_equal(got.offsets, want[1])
-                assert int(got.num_corrected) == want[2]
+    for _ in range(10):
+        rows, indices, offsets = random_case(rng, dtype=np.int64)
+        rows = rows * 10**10  # row counts past int32
+        indices[indices == 10**6] = 10**11
+        want = fbgemm_model(rows, indices, offsets, BoundsCheckMode.WARNING)
+        for backend in ("kernel", "reference"):
+            got = bounds_check_indices(rows, indices, offsets, "warning", backend=backend)
+            assert got.indices.dtype == jnp.int64
+            np.testing.assert_array_equal(got.indices, want[0])
+            np.testing.assert_array_equal(got.offsets, want[1])
+            assert int(got.num_corrected) == want[2]
 
 
 @pytest.mark.parametrize(

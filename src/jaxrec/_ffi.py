@@ -24,12 +24,17 @@ import jaxlib
 
 _LIB_DIR = Path(__file__).parent / "_lib"
 
-# Target name -> handler symbol prefix; the symbols are `<prefix>Cpu` and `<prefix>Cuda`.
+# Target name -> handler symbol, per platform library.
 TARGETS = {
-    "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndices",
+    "cpu": {
+        "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCpu",
+    },
+    "cuda": {
+        "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
+    },
 }
 
-_PLATFORMS = {"cpu": ("jaxrec_cpu", "Cpu"), "cuda": ("jaxrec_cuda", "Cuda")}
+_LIBRARIES = {"cpu": "jaxrec_cpu", "cuda": "jaxrec_cuda"}
 _XLA_PLATFORM_NAMES = {"cpu": "cpu", "cuda": "CUDA"}
 
 _REBUILD_HINT = (
@@ -104,10 +109,9 @@ def _load(platform: str) -> bool:
     if not info[platform]:
         return False
     check_ffi_compatibility(info["ffi_api_version"], info["runtime_ffi_api_version"])
-    lib_name, suffix = _PLATFORMS[platform]
-    library = ctypes.CDLL(str(_library_path(lib_name)))
-    for target, symbol in TARGETS.items():
-        handler = jax.ffi.pycapsule(getattr(library, symbol + suffix))
+    library = ctypes.CDLL(str(_library_path(_LIBRARIES[platform])))
+    for target, symbol in TARGETS[platform].items():
+        handler = jax.ffi.pycapsule(getattr(library, symbol))
         try:
             jax.ffi.register_ffi_target(target, handler, platform=_XLA_PLATFORM_NAMES[platform])
         except Exception as error:  # XLA's own message names the API versions.
@@ -119,12 +123,15 @@ def _load(platform: str) -> bool:
 
 def has_kernel(platform: str) -> bool:
     """Whether jaxrec has compiled handlers for `platform` ('cpu' or 'cuda')."""
-    return platform in _PLATFORMS and _load(platform)
+    return platform in _LIBRARIES and _load(platform)
 
 
-def dispatch(kernel: Callable[..., Any], reference: Callable[..., Any], *args: Any,
-             backend: str = "auto") -> Any:
+def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
+             reference: Callable[..., Any], *args: Any, backend: str = "auto") -> Any:
     """Calls `kernel(*args)` on platforms with compiled handlers, else `reference(*args)`.
+
+    `kernel` is one function for every platform, or a dict {"cpu": ..., "cuda": ...}
+    where the platforms' handlers take different operands.
 
     backend: "auto" (kernel where built, reference elsewhere), "kernel" (always the
     handler; lowering fails on a platform without one) or "reference" (always the
@@ -136,10 +143,14 @@ def dispatch(kernel: Callable[..., Any], reference: Callable[..., Any], *args: A
     if backend not in ("auto", "kernel"):
         raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
 
-    if backend == "kernel":  # XLA names the target and platform if no handler is registered.
-        for platform in _PLATFORMS:
+    kernels = kernel if isinstance(kernel, dict) else dict.fromkeys(_LIBRARIES, kernel)
+    if backend == "kernel":
+        # Always the handlers: lowering for a platform without one fails with XLA's
+        # message naming the target and the platform.
+        for platform in _LIBRARIES:
             has_kernel(platform)
-        return kernel(*args)
-    branches = {p: (kernel if has_kernel(p) else reference) for p in _PLATFORMS}
+        branches = kernels
+    else:
+        branches = {p: (kernels[p] if has_kernel(p) else reference) for p in _LIBRARIES}
     return jax.lax.platform_dependent(*args, default=reference, **branches)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jaxrec.sparse import JaggedTensor
+from sparse_testing import jt_bags, padded, run  # noqa: F401  (fixtures)
 
 # bag:      0        1      2
 #           [1,2]    None   [3,4,5]

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jaxrec.sparse import JaggedTensor, KeyedJaggedTensor, capacity_bucket
+from sparse_testing import jt_bags, kjt_bags, padded, run  # noqa: F401  (fixtures)
 
 # Case A: TorchRec's docstring example, capacity 12 (not a bucket size), weights present.
 #
@@ -257,7 +258,8 @@ def test_int64_values(run, kjt_bags):
     c = KeyedJaggedTensor.concat(s)
     assert kjt_bags(c) == [("f0", [[big], [1]]), ("f1", [[], [big + 2, 3]])]
   # Without x64, int32 ids stay int32 and too-large ids are refused.
-  assert KeyedJaggedTensor(["a"], np.array([1, 2], np.int64), lengths=[2]).values().dtype == jnp.int32
+  small = KeyedJaggedTensor(["a"], np.array([1, 2], np.int64), lengths=[2])
+  assert small.values().dtype == jnp.int32
   with pytest.raises(ValueError, match="jax_enable_x64"):
     KeyedJaggedTensor(["a"], np.array([big], np.int64), lengths=[1])
 
@@ -334,4 +336,9 @@ def test_traced_construction_and_repr(kjt_a):
     return k.length_per_key()
 
   np.testing.assert_array_equal(build(kjt_a.values(), kjt_a.lengths()), [3, 5])
-  assert repr(kjt_a).splitlines()[1] == "    'f0': {'values': [[10, 11], [], [12]], 'weights': [[1.0, 2.0], [], [3.0]]},"
+  assert repr(kjt_a).splitlines()[1] == (
+      "    'f0': {'values': [[10, 11], [], [12]], 'weights': [[1.0, 2.0], [], [3.0]]},"
+  )
+  assert repr(kjt_a.permute([1])).splitlines()[1] == (
+      "    'f1': {'values': [[20], [21], [22, 23, 24]], 'weights': [[4.0], [5.0], [6.0, 7.0, 8.0]]}"
+  )

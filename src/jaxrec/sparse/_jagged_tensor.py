@@ -140,7 +140,9 @@ class JaggedTensor:
     b, n = values.shape[:2]
     lengths = jnp.asarray(lengths)
     if lengths.shape != (b,):
-      raise ValueError(f"lengths must have shape ({b},) (one per row of values), got {lengths.shape}.")
+      raise ValueError(
+          f"lengths must have shape ({b},) (one per row of values), got {lengths.shape}."
+      )
     _capacity.check_lengths("lengths", lengths, b * n)
     host = _capacity.concrete_or_none(lengths)
     if host is not None and host.size and host.max() > n:
@@ -227,7 +229,7 @@ class JaggedTensor:
     return int(desired_length)
 
   def to_padded_dense(self, desired_length: int | None = None, padding_value=0) -> jax.Array:
-    """``[N, desired_length, ...]``: bags cut to ``desired_length`` or padded with ``padding_value``.
+    """``[N, desired_length, ...]``: bags cut to ``desired_length`` or padded.
 
     ::
 
@@ -254,7 +256,8 @@ class JaggedTensor:
     if any(_capacity.is_traced(x) for x in leaves if x is not None) or not all(
         isinstance(x, (jax.Array, np.ndarray)) for x in leaves if x is not None
     ):
-      w = "None" if self._weights is None else f"{self._weights.dtype}{list(self._weights.shape)}"
+      w = self._weights
+      w = "None" if w is None else f"{w.dtype}{list(w.shape)}"
       return (
           f"JaggedTensor(values={self._values.dtype}{list(self._values.shape)}, "
           f"lengths={self._lengths.dtype}{list(self._lengths.shape)}, weights={w})"

@@ -16,7 +16,9 @@ from jaxrec.sparse._jagged_tensor import JaggedTensor
 
 def _check_keys(keys: Any) -> tuple[str, ...]:
   if isinstance(keys, str):
-    raise TypeError(f"keys must be a sequence of str, got the single str {keys!r}; pass [{keys!r}].")
+    raise TypeError(
+        f"keys must be a sequence of str, got the single str {keys!r}; pass [{keys!r}]."
+    )
   keys = tuple(keys)
   for k in keys:
     if not isinstance(k, str):
@@ -362,7 +364,8 @@ class KeyedJaggedTensor:
     if any(_capacity.is_traced(x) for x in leaves) or not all(
         isinstance(x, (jax.Array, np.ndarray)) for x in leaves if x is not None
     ):
-      w = "None" if self._weights is None else f"{self._weights.dtype}{list(self._weights.shape)}"
+      w = self._weights
+      w = "None" if w is None else f"{w.dtype}{list(w.shape)}"
       return (
           f"KeyedJaggedTensor(keys={self.keys()}, stride={self._stride}, "
           f"values={self._values.dtype}{list(self._values.shape)}, "
@@ -370,18 +373,20 @@ class KeyedJaggedTensor:
       )
     if not self._keys:
       return f"KeyedJaggedTensor(stride={self._stride})"
-    lengths = np.asarray(self._lengths).reshape(len(self._keys), self._stride)
-    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(int)
-    values = np.asarray(self._values)
-    weights = None if self._weights is None else np.asarray(self._weights)
+    offsets = np.concatenate([[0], np.cumsum(np.asarray(self._lengths))]).astype(int)
+    s = self._stride
+
+    def bags(flat, i):
+      flat = np.asarray(flat)
+      return [flat[offsets[i * s + b] : offsets[i * s + b + 1]].tolist() for b in range(s)]
+
     lines = []
     for i, key in enumerate(self._keys):
-      spans = [(offsets[i * self._stride + b], offsets[i * self._stride + b + 1]) for b in range(self._stride)]
-      bags = [values[s:e].tolist() for s, e in spans]
-      if weights is None:
-        lines.append(f"    {key!r}: {bags}")
+      if self._weights is None:
+        lines.append(f"    {key!r}: {bags(self._values, i)}")
       else:
-        lines.append(f"    {key!r}: {{'values': {bags}, 'weights': {[weights[s:e].tolist() for s, e in spans]}}}")
+        v, w = bags(self._values, i), bags(self._weights, i)
+        lines.append(f"    {key!r}: {{'values': {v}, 'weights': {w}}}")
     return (
         f"KeyedJaggedTensor(stride={self._stride}, capacity={self.capacity}, {{\n"
         + ",\n".join(lines)

@@ -152,7 +152,9 @@ class KeyedTensor:
       blocks = []
       for k in group:
         if k not in where:
-          raise ValueError(f"groups[{g}] names key {k!r}, which no KeyedTensor has; keys: {sorted(where)}.")
+          raise ValueError(
+              f"groups[{g}] names key {k!r}, which no KeyedTensor has; keys: {sorted(where)}."
+          )
         t, i = where[k]
         blocks.append(keyed_tensors[t]._block(i))
       out.append(blocks[0] if len(blocks) == 1 else jnp.concatenate(blocks, axis=key_dim))

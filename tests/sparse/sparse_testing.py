@@ -1,4 +1,9 @@
-"""Fixtures for the jagged-type tests: eager/jit runners and host views of the layouts."""
+"""Fixtures for the jagged-type tests: eager/jit runners and host views of the layouts.
+
+Test modules import them by name (``from sparse_testing import run, ...``). This is not a
+``conftest.py``: a second module named ``conftest`` would shadow ``tests/conftest.py``
+for modules that do ``from conftest import ...``.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -42,7 +47,7 @@ def _bags(flat, lengths):
 
 @pytest.fixture
 def kjt_bags():
-  """Host view ``[(key, [bag, ...]), ...]`` of a KJT; asserts its padding is 0 unless told not to."""
+  """Host view ``[(key, [bag, ...]), ...]`` of a KJT; asserts its padding is 0 unless told not."""
 
   def view(kjt, check_padding=True, weights=False):
     lengths = np.asarray(kjt.lengths())

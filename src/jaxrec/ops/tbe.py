@@ -1,0 +1,287 @@
+"""Table-batched embedding bags (TBE): FBGEMM's lookup as one XLA custom call.
+
+``embedding_bag_lookup`` is the FBGEMM-layout entry point: flat ``indices``,
+``offsets`` of ``T * B + 1`` entries in FBGEMM's feature-major order, optional
+``per_sample_weights``; it returns ``[B, total_dim]`` (``[N, dim]`` for NONE)::
+
+    # layout: t0 (rows=10, dim=4), t1 (rows=6, dim=2); feature_table_map = [0, 1]
+    #              b=0       b=1        <-- batch (B = 2)
+    # feature 0    [1, 5]    []                 output [2, 6]:
+    # feature 1    [2]       [0, 3, 3]          row b = [pool(f0, b) | pool(f1, b)]
+    # indices = [1, 5, 2, 0, 3, 3, <pad>...]; offsets = [0, 2, 2, 3, 6]
+
+Pooling (FBGEMM's ``PoolingMode``): SUM; MEAN (an empty bag gives zeros); NONE
+(sequence embeddings: row p of the output is the row of ``indices[p]``, zeros on
+padding; all features must then share one dim). Sums run in float32 whatever the
+weight dtype, in a fixed order (deterministic).
+
+Gradients (``jax.grad`` through a ``custom_vjp``): the dense gradient of the flat
+weight buffer (FBGEMM's ``optimizer=NONE``: plain optax can train the tables) and
+the gradient of the per-sample weights. With MEAN pooling and per-sample weights
+the output is ``sum_p w_p * row_p / L``, and jaxrec differentiates exactly that:
+``d/dw_p = <g, row_p> / L`` (the consistent choice; FBGEMM's kernels are not
+uniform about the 1/L there). ``embedding_bag_sparse_grad`` gives the same
+gradient as unique rows and their summed gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec import _ffi
+from jaxrec.ops.bounds_check import BoundsCheckMode, _as_mode, bounds_check_indices
+from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, _check_weights
+from jaxrec.ops.tbe_reference import (
+    bag_of_position,
+    embedding_bag_reference,
+    position_scale,
+    row_keys,
+)
+
+
+def embedding_bag_lookup(
+    weights: jax.Array,
+    indices: jax.Array,
+    offsets: jax.Array,
+    *,
+    layout: TableLayout,
+    pooling: PoolingMode | int = PoolingMode.SUM,
+    per_sample_weights: jax.Array | None = None,
+    output_dtype=jnp.float32,
+    bounds_check_mode: BoundsCheckMode | int | str = BoundsCheckMode.WARNING,
+    backend: str = "auto",
+) -> jax.Array:
+    """Pooled (or sequence) embeddings of every feature in one launch; see the module doc.
+
+    Args:
+      weights: the flat buffer of all tables (``init_weights``), f32, f16 or bf16.
+      indices: ``int32[N]`` / ``int64[N]`` ids; N is a static capacity.
+      offsets: ``[T * B + 1]`` bag boundaries, feature-major (FBGEMM's order).
+      layout: the tables and the table of each feature.
+      pooling: ``PoolingMode.SUM``, ``MEAN`` or ``NONE``.
+      per_sample_weights: optional ``float32[N]`` weight of each id (SUM and MEAN).
+      output_dtype: float32, float16 or bfloat16.
+      bounds_check_mode: how bad ids and offsets are handled before the lookup
+        (``bounds_check_indices``); NONE skips the check, and bad ids are then
+        undefined behaviour. The WARNING count is not returned here: call
+        ``bounds_check_indices`` yourself to read it.
+      backend: "auto", "kernel" or "reference".
+    """
+    config, indices, offsets, per_sample_weights = _validate(
+        weights, indices, offsets, layout, pooling, per_sample_weights, output_dtype, backend)
+    if _as_mode(bounds_check_mode) != BoundsCheckMode.NONE:
+        indices, offsets, _ = bounds_check_indices(
+            layout.feature_rows, indices, offsets, bounds_check_mode,
+            table_names=[str(t) for t in layout.feature_table_map], backend=backend)
+    return _lookup(config)(weights, per_sample_weights, indices, offsets)
+
+
+class SparseRowGrad(NamedTuple):
+    """The table gradient as unique rows: ``grads[i]`` belongs to row ``rows[i]`` of table ``tables[i]``.
+
+    Entries ``i >= num_unique`` are padding (table -1, zeros). ``grads`` is
+    ``[N, max_dim]``; a table of a smaller dim uses the first ``dim`` columns.
+    """
+
+    tables: jax.Array
+    rows: jax.Array
+    grads: jax.Array
+    num_unique: jax.Array
+
+    def to_dense(self, layout: TableLayout) -> jax.Array:
+        """The same gradient as a dense flat buffer (float32), for checks and export."""
+        dense = jnp.zeros((layout.num_weights,), jnp.float32)
+        for t, (off, dim) in enumerate(zip(layout.table_offsets, layout.dims)):
+            mine = self.tables == t
+            starts = off + jnp.where(mine, self.rows, 0) * dim
+            cols = starts[:, None] + jnp.arange(dim)
+            dense = dense.at[cols].add(jnp.where(mine[:, None], self.grads[:, :dim], 0.0))
+        return dense
+
+
+def embedding_bag_sparse_grad(grad_output, indices, offsets, *, layout: TableLayout,
+                              pooling: PoolingMode | int = PoolingMode.SUM,
+                              per_sample_weights=None) -> SparseRowGrad:
+    """The gradient of the tables as unique rows + summed row gradients (duplicates merged).
+
+    For users who apply their own row-wise update. Ids and offsets must already be
+    valid (run ``bounds_check_indices`` first).
+    """
+    pooling = PoolingMode(pooling)
+    n = indices.shape[0]
+    num_bags = offsets.shape[0] - 1
+    batch_size = num_bags // layout.num_features
+    bag = bag_of_position(offsets, n)
+    scale = position_scale(offsets, per_sample_weights, bag, pooling)
+    valid = (bag >= 0) & (bag < num_bags)
+    feature = jnp.clip(bag // max(batch_size, 1), 0, layout.num_features - 1)
+    table = jnp.asarray(layout.feature_table_map, jnp.int32)[feature]
+    max_dim = max(layout.dims)
+
+    if pooling == PoolingMode.NONE:
+        g = grad_output.astype(jnp.float32)
+    else:
+        col0 = jnp.asarray(layout.output_offsets[:-1], jnp.int32)[feature]
+        sample = jnp.clip(bag % max(batch_size, 1), 0, max(batch_size - 1, 0))
+        cols = jnp.minimum(col0[:, None] + jnp.arange(max_dim), layout.total_dim - 1)
+        g = grad_output.astype(jnp.float32)[sample[:, None], cols] if batch_size else jnp.zeros((n, max_dim))
+    dim = jnp.asarray(layout.dims, jnp.int32)[table]
+    g = jnp.where(jnp.arange(g.shape[1]) < dim[:, None], g, 0.0)
+    contrib = g[:, :max_dim] * scale[:, None]
+
+    key = row_keys(layout, indices, offsets)
+    sentinel = np.iinfo(key.dtype).max
+    sorted_key, order = jax.lax.sort_key_val(key, jnp.arange(n, dtype=key.dtype))
+    is_new = jnp.concatenate([jnp.ones((min(n, 1),), bool), sorted_key[1:] != sorted_key[:-1]])
+    is_new = is_new & (sorted_key != sentinel)
+    segment = jnp.cumsum(is_new) - 1
+    num_unique = jnp.sum(is_new, dtype=jnp.int32)
+    segment = jnp.where(sorted_key != sentinel, segment, n)
+    grads = jax.ops.segment_sum(contrib[order], segment, num_segments=n + 1)[:n]
+    first = jax.ops.segment_min(jnp.arange(n), segment, num_segments=n + 1)[:n]
+    has = jnp.arange(n) < num_unique
+    first = jnp.where(has, first, 0)
+    tables_out = jnp.where(has, table[order][first], -1)
+    rows_out = jnp.where(has, indices[order][first], 0)
+    return SparseRowGrad(tables_out, rows_out, grads, num_unique)
+
+
+# --- custom_vjp over the kernels ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    layout: TableLayout
+    pooling: PoolingMode
+    output_dtype: str
+    weighted: bool
+    backend: str
+
+
+@functools.cache
+def _lookup(config: _Config):
+    @jax.custom_vjp
+    def lookup(weights, per_sample_weights, indices, offsets):
+        return _ffi.dispatch(functools.partial(_forward_kernel, config),
+                             functools.partial(_forward_reference, config),
+                             weights, per_sample_weights, indices, offsets, backend=config.backend)
+
+    def forward(weights, per_sample_weights, indices, offsets):
+        out = lookup(weights, per_sample_weights, indices, offsets)
+        return out, (weights, per_sample_weights, indices, offsets)
+
+    def backward(residuals, grad_output):
+        weights, per_sample_weights, indices, offsets = residuals
+        grad_weights, grad_psw = _ffi.dispatch(
+            {"cpu": functools.partial(_backward_kernel_cpu, config),
+             "cuda": functools.partial(_backward_kernel_cuda, config)},
+            functools.partial(_backward_reference, config),
+            grad_output, weights, per_sample_weights, indices, offsets, backend=config.backend)
+        return grad_weights.astype(weights.dtype), grad_psw, None, None
+
+    lookup.defvjp(forward, backward)
+    return lookup
+
+
+def _output_shape(config: _Config, indices, offsets) -> tuple[int, int]:
+    if config.pooling == PoolingMode.NONE:
+        return indices.shape[0], config.layout.dims[0]
+    return (offsets.shape[0] - 1) // config.layout.num_features, config.layout.total_dim
+
+
+def _forward_kernel(config: _Config, weights, per_sample_weights, indices, offsets):
+    out = jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype)
+    call = jax.ffi.ffi_call("jaxrec_tbe_forward", out, vmap_method="sequential")
+    return call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
+                pooling=np.int32(config.pooling))
+
+
+def _forward_reference(config: _Config, weights, per_sample_weights, indices, offsets):
+    return embedding_bag_reference(
+        weights, indices, offsets, per_sample_weights if config.weighted else None,
+        layout=config.layout, pooling=config.pooling, output_dtype=config.output_dtype)
+
+
+def _grad_shapes(weights, per_sample_weights):
+    return (jax.ShapeDtypeStruct(weights.shape, jnp.float32),
+            jax.ShapeDtypeStruct(per_sample_weights.shape, jnp.float32))
+
+
+def _backward_kernel_cpu(config: _Config, grad_output, weights, per_sample_weights, indices, offsets):
+    call = jax.ffi.ffi_call("jaxrec_tbe_backward", _grad_shapes(weights, per_sample_weights),
+                            vmap_method="sequential")
+    return call(grad_output, weights, indices, offsets, per_sample_weights,
+                jnp.asarray(config.layout.packed()), pooling=np.int32(config.pooling))
+
+
+def _backward_kernel_cuda(config: _Config, grad_output, weights, per_sample_weights, indices, offsets):
+    # XLA sorts the (table row, position) pairs (a CUB radix sort on the GPU); the
+    # kernel then sums each row's contributions in that fixed order, without atomics.
+    n = indices.shape[0]
+    key = row_keys(config.layout, indices, offsets)
+    sorted_key, sorted_position = jax.lax.sort_key_val(key, jnp.arange(n, dtype=indices.dtype))
+    call = jax.ffi.ffi_call("jaxrec_tbe_backward_sorted", _grad_shapes(weights, per_sample_weights),
+                            vmap_method="sequential")
+    return call(grad_output, weights, indices, offsets, per_sample_weights,
+                jnp.asarray(config.layout.packed()), sorted_key, sorted_position,
+                pooling=np.int32(config.pooling))
+
+
+def _backward_reference(config: _Config, grad_output, weights, per_sample_weights, indices, offsets):
+    def f(w, psw):
+        return _forward_reference(config, w, psw, indices, offsets)
+
+    _, vjp = jax.vjp(f, weights.astype(jnp.float32), per_sample_weights)
+    grad_weights, grad_psw = vjp(grad_output.astype(config.output_dtype))
+    return grad_weights, grad_psw
+
+
+# --- validation ----------------------------------------------------------------------
+
+
+def _validate(weights, indices, offsets, layout, pooling, per_sample_weights, output_dtype, backend):
+    if not isinstance(layout, TableLayout):
+        raise TypeError(f"layout must be a jaxrec.ops.TableLayout, got {type(layout).__name__}")
+    _check_weights(layout, weights)
+    try:
+        pooling = PoolingMode(pooling)
+    except ValueError:
+        raise ValueError(f"pooling must be PoolingMode.SUM (0), MEAN (1) or NONE (2); got {pooling!r}") from None
+    output_dtype = jnp.dtype(output_dtype)
+    if output_dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+        raise TypeError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")
+    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    if indices.ndim != 1 or indices.dtype not in (jnp.int32, jnp.int64):
+        raise TypeError(f"indices must be a 1-D int32 or int64 array, got {indices.dtype}{list(indices.shape)}")
+    if offsets.ndim != 1 or not jnp.issubdtype(offsets.dtype, jnp.integer):
+        raise TypeError(f"offsets must be a 1-D integer array, got {offsets.dtype}{list(offsets.shape)}")
+    offsets = offsets.astype(indices.dtype)
+    num_features = layout.num_features
+    if (offsets.shape[0] - 1) % num_features:
+        raise ValueError(f"offsets has {offsets.shape[0]} entries, which is not T * B + 1 for the "
+                         f"layout's T = {num_features} features; pass B + 1 offsets per feature "
+                         "(feature-major, the last one shared)")
+    if sum(layout.rows) >= np.iinfo(indices.dtype).max:
+        raise ValueError(f"the tables have {sum(layout.rows)} rows in all, too many for "
+                         f"{indices.dtype} ids; enable jax_enable_x64 and pass int64 indices")
+    if pooling == PoolingMode.NONE:
+        if len(set(layout.feature_dims)) != 1:
+            raise ValueError(f"pooling=NONE needs one dim for all features, got {layout.feature_dims}")
+        if per_sample_weights is not None:
+            raise ValueError("per_sample_weights need pooling SUM or MEAN; pooling=NONE has no bags to weight")
+    weighted = per_sample_weights is not None
+    if weighted:
+        per_sample_weights = jnp.asarray(per_sample_weights)
+        if per_sample_weights.shape != indices.shape or per_sample_weights.dtype != jnp.float32:
+            raise ValueError(f"per_sample_weights must be float32{list(indices.shape)} like indices, "
+                             f"got {per_sample_weights.dtype}{list(per_sample_weights.shape)}")
+    else:
+        per_sample_weights = jnp.zeros((0,), jnp.float32)
+    config = _Config(layout, pooling, output_dtype.name, weighted, backend)
+    return config, indices, offsets, per_sample_weights

@@ -1,0 +1,140 @@
+"""Where each table lives in the flat weight buffer of a table-batched embedding (TBE).
+
+As in FBGEMM, all tables of a lookup share one flat buffer, so one kernel launch
+serves every table and feature::
+
+    # tables:  t0 (rows=4, dim=2)   t1 (rows=3, dim=3)
+    # flat:    [t0 r0 | t0 r1 | t0 r2 | t0 r3 | t1 r0 | t1 r1 | t1 r2]
+    #           0       2       4       6       8       11      14     (element offsets)
+    # feature_table_map = [0, 1, 0]   (features f0 and f2 share t0)
+    # pooled output [B, 7]: f0 -> cols 0:2, f1 -> cols 2:5, f2 -> cols 5:7
+
+``TableLayout`` is static (hashable): it is part of the compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+class PoolingMode(enum.IntEnum):
+    """FBGEMM's pooling modes, with FBGEMM's values."""
+
+    SUM = 0
+    MEAN = 1
+    NONE = 2  # sequence embeddings: one row per id
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TableLayout:
+    """Tables in one flat buffer and the table each feature looks up."""
+
+    rows: tuple[int, ...]
+    """Row count of each table."""
+    dims: tuple[int, ...]
+    """Embedding dimension of each table."""
+    feature_table_map: tuple[int, ...]
+    """Table of each feature (FBGEMM's name); several features may share a table."""
+
+    def __post_init__(self):
+        if len(self.rows) != len(self.dims) or not self.rows:
+            raise ValueError(f"rows and dims must name the same tables (>= 1), got "
+                             f"{len(self.rows)} row counts and {len(self.dims)} dims")
+        if any(r < 1 for r in self.rows) or any(d < 1 for d in self.dims):
+            raise ValueError(f"every table needs rows >= 1 and dim >= 1, got rows={self.rows}, "
+                             f"dims={self.dims}")
+        bad = [t for t in self.feature_table_map if not 0 <= t < len(self.rows)]
+        if bad or not self.feature_table_map:
+            raise ValueError(f"feature_table_map must list, for each feature, a table in "
+                             f"[0, {len(self.rows)}); got {self.feature_table_map}")
+
+    @classmethod
+    def from_embedding_specs(cls, specs: Sequence[tuple[int, int]],
+                             feature_table_map: Sequence[int] | None = None) -> TableLayout:
+        """FBGEMM's ``embedding_specs`` as ``[(rows, dim), ...]``; one feature per table by default."""
+        rows = tuple(int(r) for r, _ in specs)
+        dims = tuple(int(d) for _, d in specs)
+        ftm = tuple(range(len(rows))) if feature_table_map is None else tuple(int(t) for t in feature_table_map)
+        return cls(rows=rows, dims=dims, feature_table_map=ftm)
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_table_map)
+
+    @property
+    def table_offsets(self) -> tuple[int, ...]:
+        """Element offset of each table in the flat buffer (FBGEMM's ``weights_offsets``)."""
+        sizes = np.asarray(self.rows, np.int64) * np.asarray(self.dims, np.int64)
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
+
+    @property
+    def num_weights(self) -> int:
+        """Elements of the flat buffer."""
+        return int(sum(r * d for r, d in zip(self.rows, self.dims)))
+
+    @property
+    def feature_dims(self) -> tuple[int, ...]:
+        return tuple(self.dims[t] for t in self.feature_table_map)
+
+    @property
+    def feature_rows(self) -> tuple[int, ...]:
+        return tuple(self.rows[t] for t in self.feature_table_map)
+
+    @property
+    def output_offsets(self) -> tuple[int, ...]:
+        """Column of each feature in the pooled ``[B, total_dim]`` output (FBGEMM's ``D_offsets``)."""
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.feature_dims)]))
+
+    @property
+    def total_dim(self) -> int:
+        return self.output_offsets[-1]
+
+    def packed(self) -> np.ndarray:
+        """The int32 layout operand of the kernels (``csrc/common/tbe.h``)."""
+        offsets = self.table_offsets
+        values = np.array([offsets[t] for t in self.feature_table_map] + list(self.feature_dims)
+                          + list(self.feature_rows) + list(self.output_offsets), np.int64)
+        return values.view(np.int32)
+
+    def split_embedding_weights(self, weights: jax.Array) -> list[jax.Array]:
+        """Per-table ``[rows, dim]`` views of the flat buffer (FBGEMM's name)."""
+        _check_weights(self, weights)
+        return [jax.lax.dynamic_slice_in_dim(weights, off, r * d).reshape(r, d)
+                for off, r, d in zip(self.table_offsets, self.rows, self.dims)]
+
+    def merge_embedding_weights(self, tables: Sequence[jax.Array]) -> jax.Array:
+        """The flat buffer from per-table ``[rows, dim]`` arrays (inverse of the split)."""
+        if len(tables) != self.num_tables:
+            raise ValueError(f"expected {self.num_tables} tables, got {len(tables)}")
+        for t, table in enumerate(tables):
+            if tuple(table.shape) != (self.rows[t], self.dims[t]):
+                raise ValueError(f"table {t} has shape {tuple(table.shape)}, the layout says "
+                                 f"{(self.rows[t], self.dims[t])}")
+        return jnp.concatenate([jnp.ravel(t) for t in tables])
+
+
+def init_weights(key: jax.Array, layout: TableLayout, dtype=jnp.float32) -> jax.Array:
+    """FBGEMM/TorchRec's default initialisation: table t ~ U(-sqrt(1/rows_t), sqrt(1/rows_t))."""
+    keys = jax.random.split(key, layout.num_tables)
+    tables = [jax.random.uniform(k, (r, d), jnp.float32, -np.sqrt(1.0 / r), np.sqrt(1.0 / r))
+              for k, r, d in zip(keys, layout.rows, layout.dims)]
+    return layout.merge_embedding_weights(tables).astype(dtype)
+
+
+def _check_weights(layout: TableLayout, weights) -> None:
+    if weights.ndim != 1 or weights.shape[0] != layout.num_weights:
+        raise ValueError(f"weights must be the flat buffer of {layout.num_weights} elements "
+                         f"(sum of rows * dim over the tables); got shape {tuple(weights.shape)}. "
+                         "Build it with init_weights() or layout.merge_embedding_weights().")
+    if weights.dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
+        raise TypeError(f"weights must be float32, float16 or bfloat16, got {weights.dtype}")

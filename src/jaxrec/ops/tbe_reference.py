@@ -1,0 +1,80 @@
+"""Pure-jnp table-batched embedding bags: the oracle of the kernels and the portable fallback.
+
+Differentiating :func:`embedding_bag_reference` with ``jax.grad`` gives the
+reference gradients of the tables and of the per-sample weights.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec.ops.tbe_layout import PoolingMode, TableLayout
+
+
+def bag_of_position(offsets: jax.Array, num_indices: int) -> jax.Array:
+    """Bag k of each index position (``offsets[k] <= p < offsets[k+1]``); -1 or T*B outside bags.
+
+    Offsets must be non-decreasing (``bounds_check_indices`` guarantees it).
+    """
+    position = jnp.arange(num_indices, dtype=offsets.dtype)
+    return jnp.searchsorted(offsets, position, side="right").astype(offsets.dtype) - 1
+
+
+def row_keys(layout: TableLayout, indices, offsets) -> jax.Array:
+    """Key of the table row each position reads: the table's first row in the stacked
+    tables plus the id; the dtype's max for positions outside bags (sorted last)."""
+    num_bags = offsets.shape[0] - 1
+    batch_size = max(num_bags // layout.num_features, 1)
+    bag = bag_of_position(offsets, indices.shape[0])
+    valid = (bag >= 0) & (bag < num_bags)
+    feature = jnp.clip(bag // batch_size, 0, layout.num_features - 1)
+    table_first_row = np.concatenate([[0], np.cumsum(layout.rows)[:-1]])
+    first_row = jnp.asarray(table_first_row[list(layout.feature_table_map)], indices.dtype)
+    return jnp.where(valid, first_row[feature] + indices, np.iinfo(indices.dtype).max)
+
+
+def position_scale(offsets, per_sample_weights, bag, pooling: PoolingMode) -> jax.Array:
+    """float32 factor of each position: its per-sample weight, times 1/L for MEAN, 0 outside bags."""
+    num_bags = offsets.shape[0] - 1
+    valid = (bag >= 0) & (bag < num_bags)
+    safe_bag = jnp.clip(bag, 0, max(num_bags - 1, 0))
+    scale = jnp.ones(bag.shape, jnp.float32)
+    if per_sample_weights is not None:
+        scale = per_sample_weights.astype(jnp.float32)
+    if pooling == PoolingMode.MEAN and num_bags:
+        lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
+        scale = scale / jnp.maximum(lengths[safe_bag], 1.0)
+    return jnp.where(valid, scale, 0.0)
+
+
+def embedding_bag_reference(weights, indices, offsets, per_sample_weights, *, layout: TableLayout,
+                            pooling: PoolingMode, output_dtype) -> jax.Array:
+    """``[B, total_dim]`` pooled embeddings (``[N, dim]`` for NONE); see ``embedding_bag_lookup``."""
+    num_features = layout.num_features
+    num_bags = offsets.shape[0] - 1
+    batch_size = num_bags // num_features
+    n = indices.shape[0]
+    bag = bag_of_position(offsets, n)
+    scale = position_scale(offsets, per_sample_weights, bag, pooling)
+    valid = (bag >= 0) & (bag < num_bags)
+    feature = jnp.where(valid, bag // max(batch_size, 1), -1)
+    tables = layout.split_embedding_weights(weights)
+
+    pieces = []
+    for f in range(num_features):
+        table = tables[layout.feature_table_map[f]]
+        mine = feature == f
+        rows = table[jnp.where(mine, indices, 0)].astype(jnp.float32)
+        rows = rows * jnp.where(mine, scale, 0.0)[:, None]
+        if pooling == PoolingMode.NONE:
+            pieces.append(rows)
+        else:
+            sample = jnp.where(mine, bag - f * batch_size, batch_size)
+            pieces.append(jax.ops.segment_sum(rows, sample, num_segments=batch_size + 1)[:batch_size])
+    if pooling == PoolingMode.NONE:
+        out = sum(pieces[1:], pieces[0])
+    else:
+        out = jnp.concatenate(pieces, axis=1)
+    return out.astype(output_dtype)
