@@ -28,9 +28,13 @@ _LIB_DIR = Path(__file__).parent / "_lib"
 TARGETS = {
     "cpu": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCpu",
+        "jaxrec_tbe_forward": "JaxrecTbeForwardCpu",
+        "jaxrec_tbe_backward": "JaxrecTbeBackwardCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
+        "jaxrec_tbe_forward": "JaxrecTbeForwardCuda",
+        "jaxrec_tbe_backward_sorted": "JaxrecTbeBackwardSortedCuda",
     },
 }
 

@@ -114,6 +114,7 @@ def embedding_bag_sparse_grad(grad_output, indices, offsets, *, layout: TableLay
     valid (run ``bounds_check_indices`` first).
     """
     pooling = PoolingMode(pooling)
+    grad_output, indices, offsets = (jnp.asarray(x) for x in (grad_output, indices, offsets))
     n = indices.shape[0]
     num_bags = offsets.shape[0] - 1
     batch_size = num_bags // layout.num_features
@@ -168,7 +169,8 @@ class _Config:
 def _lookup(config: _Config):
     @jax.custom_vjp
     def lookup(weights, per_sample_weights, indices, offsets):
-        return _ffi.dispatch(functools.partial(_forward_kernel, config),
+        return _ffi.dispatch({"cpu": functools.partial(_forward_kernel_cpu, config),
+                              "cuda": functools.partial(_forward_kernel_cuda, config)},
                              functools.partial(_forward_reference, config),
                              weights, per_sample_weights, indices, offsets, backend=config.backend)
 
@@ -195,11 +197,34 @@ def _output_shape(config: _Config, indices, offsets) -> tuple[int, int]:
     return (offsets.shape[0] - 1) // config.layout.num_features, config.layout.total_dim
 
 
-def _forward_kernel(config: _Config, weights, per_sample_weights, indices, offsets):
+def _forward_kernel_cpu(config: _Config, weights, per_sample_weights, indices, offsets):
     out = jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype)
     call = jax.ffi.ffi_call("jaxrec_tbe_forward", out, vmap_method="sequential")
     return call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
                 pooling=np.int32(config.pooling))
+
+
+def _forward_kernel_cuda(config: _Config, weights, per_sample_weights, indices, offsets):
+    out = jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype)
+    batch_size = (offsets.shape[0] - 1) // config.layout.num_features
+    schedule = _warp_schedule(config.layout.feature_dims, batch_size)
+    call = jax.ffi.ffi_call("jaxrec_tbe_forward", out, vmap_method="sequential")
+    return call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
+                jnp.asarray(schedule), pooling=np.int32(config.pooling),
+                num_warps=np.int64(schedule[config.layout.num_features]))
+
+
+@functools.cache
+def _warp_schedule(dims: tuple[int, ...], batch_size: int) -> np.ndarray:
+    """int32[2T+1] for csrc/cuda/tbe_util.cuh: each feature's first warp, then its lane-group shift.
+
+    A bag of dim D gets 2^shift lanes, shift = ceil(log2(ceil(D / 4))) capped at 5 (a
+    warp): 4 columns per lane, so small dims pack several bags into one warp.
+    """
+    shifts = np.array([min(5, int(np.ceil(np.log2(max(1, -(-d // 4)))))) for d in dims])
+    warps = -(-batch_size // (32 >> shifts))
+    start = np.concatenate([[0], np.cumsum(warps)])
+    return np.concatenate([start, shifts]).astype(np.int32)
 
 
 def _forward_reference(config: _Config, weights, per_sample_weights, indices, offsets):

@@ -42,7 +42,7 @@ def position_scale(offsets, per_sample_weights, bag, pooling: PoolingMode) -> ja
     safe_bag = jnp.clip(bag, 0, max(num_bags - 1, 0))
     scale = jnp.ones(bag.shape, jnp.float32)
     if per_sample_weights is not None:
-        scale = per_sample_weights.astype(jnp.float32)
+        scale = jnp.asarray(per_sample_weights, jnp.float32)
     if pooling == PoolingMode.MEAN and num_bags:
         lengths = (offsets[1:] - offsets[:-1]).astype(jnp.float32)
         scale = scale / jnp.maximum(lengths[safe_bag], 1.0)

@@ -1,0 +1,235 @@
+// CUDA handler of the TBE backward: the dense gradient of the flat weight buffer
+// and the gradient of the per-sample weights (see common/tbe.h for the layout).
+//
+// The Python wrapper sorts the (row key, position) pairs with XLA's sort, so all
+// uses of one table row are adjacent. One warp per run of equal keys sums the
+// run's gradient rows in sorted order and writes the row once: no float atomics,
+// the same result every run. Hot rows (long runs) are summed by a single warp.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+
+#include "common/ffi_util.h"
+#include "common/tbe.h"
+#include "cuda/tbe_util.cuh"
+
+namespace jaxrec {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+
+struct BackwardArgs {
+  const int64_t* table_offsets;
+  const int64_t* dims;
+  const int64_t* output_offsets;
+  int64_t num_features;
+  int64_t batch_size;
+  int64_t num_indices;
+  int64_t grad_row_width;  // pooled: total_dim; sequence: dim
+  const float* per_sample_weights;  // nullptr when unweighted
+  bool mean;
+  bool sequence;
+};
+
+template <typename I>
+__device__ __forceinline__ int64_t BagOf(const I* offsets, int64_t num_bags, I position) {
+  int64_t lo = 0, hi = num_bags;  // offsets[lo] <= position < offsets[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (offsets[mid] <= position) lo = mid; else hi = mid;
+  }
+  return lo;
+}
+
+// Factor of position p in bag `bag`: its per-sample weight, over L for MEAN.
+template <typename I>
+__device__ __forceinline__ float PositionScale(const BackwardArgs& args, const I* offsets,
+                                               int64_t bag, I p) {
+  float scale = args.per_sample_weights ? args.per_sample_weights[p] : 1.f;
+  if (args.mean) scale /= static_cast<float>(offsets[bag + 1] - offsets[bag]);
+  return scale;
+}
+
+template <typename G, typename I>
+__device__ __forceinline__ const G* GradRow(const BackwardArgs& args, const G* grad, int64_t bag,
+                                            int64_t f, I p) {
+  if (args.sequence) return grad + static_cast<int64_t>(p) * args.grad_row_width;
+  return grad + (bag - f * args.batch_size) * args.grad_row_width + args.output_offsets[f];
+}
+
+template <typename G, typename I>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+    RowGradients(const G* __restrict__ grad, const I* __restrict__ indices,
+                 const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                 const I* __restrict__ sorted_positions, float* __restrict__ grad_weights,
+                 BackwardArgs args) {
+  const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  if (i >= args.num_indices) return;
+  const I key = sorted_keys[i];
+  if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
+
+  const int64_t num_bags = args.num_features * args.batch_size;
+  const I first = sorted_positions[i];
+  const int64_t f0 = BagOf(offsets, num_bags, first) / args.batch_size;
+  const int64_t dim = args.dims[f0];
+  float* dest = grad_weights + args.table_offsets[f0] + static_cast<int64_t>(indices[first]) * dim;
+
+  for (int64_t c = 4 * lane; c < dim; c += 4 * kWarpSize) {
+    const int count = ColumnsLeft(dim, c);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int64_t j = i; j < args.num_indices && sorted_keys[j] == key; ++j) {
+      const I p = sorted_positions[j];
+      const int64_t bag = BagOf(offsets, num_bags, p);
+      const int64_t f = bag / args.batch_size;
+      Fma4(acc, PositionScale(args, offsets, bag, p), LoadPartial4(GradRow(args, grad, bag, f, p) + c, count));
+    }
+    StorePartial4(dest + c, acc, count);
+  }
+}
+
+// grad_psw[p] = <grad row of p's bag, weight row of p> (over L for MEAN); one warp per position.
+template <typename G, typename W, typename I>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+    PerSampleWeightGradients(const G* __restrict__ grad, const W* __restrict__ weights,
+                             const I* __restrict__ indices, const I* __restrict__ offsets,
+                             float* __restrict__ grad_psw, BackwardArgs args) {
+  const int64_t p = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t num_bags = args.num_features * args.batch_size;
+  if (p >= args.num_indices || num_bags == 0) return;
+  if (p < offsets[0] || p >= offsets[num_bags]) return;  // padding: left at 0
+  const int64_t bag = BagOf(offsets, num_bags, static_cast<I>(p));
+  const int64_t f = bag / args.batch_size;
+  const int64_t dim = args.dims[f];
+  const W* row = weights + args.table_offsets[f] + static_cast<int64_t>(indices[p]) * dim;
+  const G* g = GradRow(args, grad, bag, f, static_cast<I>(p));
+  float dot = 0.f;
+  for (int64_t c = 4 * lane; c < dim; c += 4 * kWarpSize) {
+    const int count = ColumnsLeft(dim, c);
+    const float4 a = LoadPartial4(g + c, count), w = LoadPartial4(row + c, count);
+    dot += a.x * w.x + a.y * w.y + a.z * w.z + a.w * w.w;
+  }
+  for (int s = kWarpSize / 2; s > 0; s /= 2) dot += __shfl_xor_sync(0xffffffff, dot, s);
+  if (lane == 0) {
+    const float scale = args.mean ? 1.f / static_cast<float>(offsets[bag + 1] - offsets[bag]) : 1.f;
+    grad_psw[p] = dot * scale;
+  }
+}
+
+ffi::Error Check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxrec_tbe_backward_sorted: ") + what + ": " +
+                              cudaGetErrorString(err));
+}
+
+template <typename G, typename W, typename I>
+ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBuffer& weights,
+               const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets,
+               const ffi::AnyBuffer& sorted_keys, const ffi::AnyBuffer& sorted_positions,
+               float* grad_weights, size_t grad_weights_bytes, float* grad_psw,
+               const BackwardArgs& args) {
+  if (ffi::Error e = Check(cudaMemsetAsync(grad_weights, 0, grad_weights_bytes, stream), "memset");
+      e.failure()) {
+    return e;
+  }
+  const unsigned blocks = static_cast<unsigned>((args.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  if (blocks == 0 || args.batch_size == 0) return ffi::Error::Success();
+  RowGradients<G, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+      reinterpret_cast<const G*>(grad.untyped_data()), indices.typed_data<I>(),
+      offsets.typed_data<I>(), sorted_keys.typed_data<I>(), sorted_positions.typed_data<I>(),
+      grad_weights, args);
+  if (ffi::Error e = Check(cudaGetLastError(), "row gradients"); e.failure()) return e;
+  if (grad_psw != nullptr) {
+    if (ffi::Error e = Check(cudaMemsetAsync(grad_psw, 0, args.num_indices * sizeof(float), stream),
+                             "memset");
+        e.failure()) {
+      return e;
+    }
+    PerSampleWeightGradients<G, W, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+        reinterpret_cast<const G*>(grad.untyped_data()),
+        reinterpret_cast<const W*>(weights.untyped_data()), indices.typed_data<I>(),
+        offsets.typed_data<I>(), grad_psw, args);
+    if (ffi::Error e = Check(cudaGetLastError(), "per-sample weight gradients"); e.failure()) return e;
+  }
+  return ffi::Error::Success();
+}
+
+template <typename G, typename I>
+ffi::Error DispatchWeights(cudaStream_t stream, const ffi::AnyBuffer& grad,
+                           const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
+                           const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& keys,
+                           const ffi::AnyBuffer& positions, float* gw, size_t gw_bytes,
+                           float* gpsw, const BackwardArgs& args) {
+  switch (weights.element_type()) {
+    case ffi::DataType::F32: return Run<G, float, I>(stream, grad, weights, indices, offsets, keys, positions, gw, gw_bytes, gpsw, args);
+    case ffi::DataType::F16: return Run<G, __half, I>(stream, grad, weights, indices, offsets, keys, positions, gw, gw_bytes, gpsw, args);
+    case ffi::DataType::BF16: return Run<G, __nv_bfloat16, I>(stream, grad, weights, indices, offsets, keys, positions, gw, gw_bytes, gpsw, args);
+    default: return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: weights must be f32, f16 or bf16");
+  }
+}
+
+ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyBuffer weights,
+                                 ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
+                                 ffi::Buffer<ffi::F32> per_sample_weights,
+                                 ffi::Buffer<ffi::S32> layout, ffi::AnyBuffer sorted_keys,
+                                 ffi::AnyBuffer sorted_positions,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> grad_weights,
+                                 ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t pooling) {
+  const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
+  const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
+  if (num_features == 0 || num_bags % num_features != 0 ||
+      indices.element_type() != offsets.element_type() ||
+      sorted_keys.element_type() != indices.element_type() ||
+      sorted_positions.element_type() != indices.element_type()) {
+    return ffi::Error::InvalidArgument(
+        "jaxrec_tbe_backward_sorted: offsets (T*B+1) and the sorted keys/positions must use the "
+        "indices' dtype");
+  }
+  const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
+  BackwardArgs args;
+  args.table_offsets = packed;
+  args.dims = packed + num_features;
+  args.output_offsets = packed + 3 * num_features;
+  args.num_features = num_features;
+  args.batch_size = num_bags / num_features;
+  args.num_indices = indices.element_count();
+  const auto grad_dims = grad.dimensions();
+  args.grad_row_width = grad_dims.size() == 2 ? grad_dims[1] : 0;
+  args.per_sample_weights = per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
+  args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
+  args.sequence = pooling == static_cast<int32_t>(PoolingMode::kNone);
+  float* gw = grad_weights->typed_data();
+  const size_t gw_bytes = grad_weights->element_count() * sizeof(float);
+  float* gpsw = grad_psw->element_count() > 0 ? grad_psw->typed_data() : nullptr;
+
+  return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
+    using I = decltype(zero);
+    switch (grad.element_type()) {
+      case ffi::DataType::F32: return DispatchWeights<float, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, gw, gw_bytes, gpsw, args);
+      case ffi::DataType::F16: return DispatchWeights<__half, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, gw, gw_bytes, gpsw, args);
+      case ffi::DataType::BF16: return DispatchWeights<__nv_bfloat16, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, gw, gw_bytes, gpsw, args);
+      default: return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: grad must be f32, f16 or bf16");
+    }
+  });
+}
+
+}  // namespace
+}  // namespace jaxrec
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeBackwardSortedCuda, jaxrec::TbeBackwardSortedCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()              // grad_output
+                                  .Arg<xla::ffi::AnyBuffer>()              // weights
+                                  .Arg<xla::ffi::AnyBuffer>()              // indices
+                                  .Arg<xla::ffi::AnyBuffer>()              // offsets
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // per_sample_weights
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layout
+                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_keys
+                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_positions
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_weights
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_per_sample_weights
+                                  .Attr<int32_t>("pooling"));

@@ -1,0 +1,197 @@
+// CUDA handler of the TBE forward (see common/tbe.h for the layout).
+//
+// One launch for all features. The warp schedule gives each feature groups of
+// 2^shift lanes per bag (4 columns per lane per chunk), so a dim-16 table uses 4
+// lanes per bag and 8 bags per warp, a dim-128 table a whole warp per bag. Each
+// lane keeps kUnroll rows in flight (16-byte loads for f32) and sums in float32
+// in index order: no atomics, the same result every run.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "common/ffi_util.h"
+#include "common/tbe.h"
+#include "cuda/tbe_util.cuh"
+
+namespace jaxrec {
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kUnroll = 4;
+
+struct ForwardArgs {
+  const int64_t* table_offsets;
+  const int64_t* dims;
+  const int64_t* output_offsets;
+  WarpSchedule schedule;
+  int64_t batch_size;
+  int64_t total_dim;  // pooled: output row width; sequence: dim
+  int32_t num_warps;
+  const float* per_sample_weights;  // nullptr when unweighted
+  bool mean;
+};
+
+// kSequence: PoolingMode::kNone, one output row per index position.
+template <typename W, typename O, typename I, bool kSequence>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+    TbeForwardKernel(const W* __restrict__ weights, const I* __restrict__ indices,
+                     const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
+  const int32_t warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  if (warp >= args.num_warps) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int32_t f = args.schedule.FeatureOfWarp(warp);
+  const int shift = __ldg(args.schedule.shift + f);
+  const int group_lane = lane & ((1 << shift) - 1);
+  const int64_t b = int64_t{warp - __ldg(args.schedule.start + f)} * (kWarpSize >> shift) + (lane >> shift);
+  if (b >= args.batch_size) return;
+
+  const int64_t bag = f * args.batch_size + b;
+  const I start = offsets[bag], end = offsets[bag + 1];
+  const int64_t dim = __ldg(args.dims + f);
+  const W* table = weights + __ldg(args.table_offsets + f);
+  const bool vector_rows = dim % 4 == 0 && __ldg(args.table_offsets + f) % 4 == 0;
+  const float* psw = args.per_sample_weights;
+  const int64_t chunk = int64_t{4} << shift;
+
+  if constexpr (kSequence) {
+    for (I p = start; p < end; ++p) {
+      const W* row = table + static_cast<int64_t>(indices[p]) * dim;
+      O* out_row = out + static_cast<int64_t>(p) * dim;
+      for (int64_t c = 4 * group_lane; c < dim; c += chunk) {
+        const int count = ColumnsLeft(dim, c);
+        if (vector_rows) {
+          Store4(out_row + c, Load4(row + c));
+        } else {
+          StorePartial4(out_row + c, LoadPartial4(row + c, count), count);
+        }
+      }
+    }
+    return;
+  } else {
+    O* out_row = out + b * args.total_dim + __ldg(args.output_offsets + f);
+    const bool vector_out = args.total_dim % 4 == 0 && __ldg(args.output_offsets + f) % 4 == 0;
+    const float scale = args.mean && end > start ? 1.f / static_cast<float>(end - start) : 1.f;
+    for (int64_t c = 4 * group_lane; c < dim; c += chunk) {
+      const int count = ColumnsLeft(dim, c);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      I p = start;
+      if (vector_rows) {
+        for (; p + kUnroll <= end; p += kUnroll) {
+          float4 v[kUnroll];
+          float w[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            v[u] = Load4(table + static_cast<int64_t>(indices[p + u]) * dim + c);
+            w[u] = psw ? psw[p + u] : 1.f;
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) Fma4(acc, w[u], v[u]);
+        }
+        for (; p < end; ++p) {
+          Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(indices[p]) * dim + c));
+        }
+      } else {
+        for (; p < end; ++p) {
+          Fma4(acc, psw ? psw[p] : 1.f,
+               LoadPartial4(table + static_cast<int64_t>(indices[p]) * dim + c, count));
+        }
+      }
+      acc = Scale4(acc, scale);
+      if (vector_out && count == 4) {
+        Store4(out_row + c, acc);
+      } else {
+        StorePartial4(out_row + c, acc, count);
+      }
+    }
+  }
+}
+
+template <typename W, typename O, typename I>
+ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
+                  const ffi::AnyBuffer& offsets, ffi::AnyBuffer* out, const ForwardArgs& args,
+                  bool sequence) {
+  const unsigned blocks = (args.num_warps + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  if (sequence) {
+    cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
+    if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
+  }
+  if (blocks > 0) {
+    auto kernel = sequence ? TbeForwardKernel<W, O, I, true> : TbeForwardKernel<W, O, I, false>;
+    kernel<<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+        reinterpret_cast<const W*>(weights.untyped_data()), indices.typed_data<I>(),
+        offsets.typed_data<I>(), reinterpret_cast<O*>(out->untyped_data()), args);
+  }
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return ffi::Error::Internal(std::string("jaxrec_tbe_forward launch: ") + cudaGetErrorString(err));
+  }
+  return ffi::Error::Success();
+}
+
+template <typename W, typename I>
+ffi::Error DispatchOutput(cudaStream_t stream, const ffi::AnyBuffer& weights,
+                          const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets,
+                          ffi::AnyBuffer* out, const ForwardArgs& args, bool sequence) {
+  switch (out->element_type()) {
+    case ffi::DataType::F32: return Launch<W, float, I>(stream, weights, indices, offsets, out, args, sequence);
+    case ffi::DataType::F16: return Launch<W, __half, I>(stream, weights, indices, offsets, out, args, sequence);
+    case ffi::DataType::BF16: return Launch<W, __nv_bfloat16, I>(stream, weights, indices, offsets, out, args, sequence);
+    default: return ffi::Error::InvalidArgument("jaxrec_tbe_forward: output must be f32, f16 or bf16");
+  }
+}
+
+ffi::Error TbeForwardCuda(cudaStream_t stream, ffi::AnyBuffer weights, ffi::AnyBuffer indices,
+                          ffi::AnyBuffer offsets, ffi::Buffer<ffi::F32> per_sample_weights,
+                          ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> schedule,
+                          ffi::Result<ffi::AnyBuffer> out, int32_t pooling, int64_t num_warps) {
+  const int64_t num_features = (static_cast<int64_t>(schedule.element_count()) - 1) / 2;
+  if (layout.element_count() != static_cast<size_t>(PackedLayoutSize(num_features))) {
+    return ffi::Error::InvalidArgument("jaxrec_tbe_forward: layout and schedule disagree on T");
+  }
+  const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
+  if (num_features == 0 || num_bags % num_features != 0 || indices.element_type() != offsets.element_type()) {
+    return ffi::Error::InvalidArgument("jaxrec_tbe_forward: offsets must be T*B+1 ids of the indices' dtype");
+  }
+  const bool sequence = pooling == static_cast<int32_t>(PoolingMode::kNone);
+  const auto out_dims = out->dimensions();
+  ForwardArgs args;
+  const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
+  args.table_offsets = packed;
+  args.dims = packed + num_features;
+  args.output_offsets = packed + 3 * num_features;
+  args.schedule = {schedule.typed_data(), schedule.typed_data() + num_features + 1,
+                   static_cast<int32_t>(num_features)};
+  args.batch_size = num_bags / num_features;
+  args.total_dim = out_dims.size() == 2 ? out_dims[1] : 0;
+  args.num_warps = static_cast<int32_t>(num_warps);
+  args.per_sample_weights = per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
+  args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
+
+  ffi::AnyBuffer* out_buffer = &(*out);
+  return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
+    using I = decltype(zero);
+    switch (weights.element_type()) {
+      case ffi::DataType::F32: return DispatchOutput<float, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
+      case ffi::DataType::F16: return DispatchOutput<__half, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
+      case ffi::DataType::BF16: return DispatchOutput<__nv_bfloat16, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
+      default: return ffi::Error::InvalidArgument("jaxrec_tbe_forward: weights must be f32, f16 or bf16");
+    }
+  });
+}
+
+}  // namespace
+}  // namespace jaxrec
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeForwardCuda, jaxrec::TbeForwardCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::AnyBuffer>()                 // weights
+                                  .Arg<xla::ffi::AnyBuffer>()                 // indices
+                                  .Arg<xla::ffi::AnyBuffer>()                 // offsets
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // per_sample_weights
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // layout
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // schedule
+                                  .Ret<xla::ffi::AnyBuffer>()                 // output
+                                  .Attr<int32_t>("pooling")
+                                  .Attr<int64_t>("num_warps"));
