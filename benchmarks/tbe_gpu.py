@@ -1,0 +1,267 @@
+"""TBE lookup on the GPU, side by side in one process with plain XLA, PyTorch and the
+device-to-device copy ceiling.
+
+    python benchmarks/tbe_gpu.py --out benchmarks/results/tbe_gpu_<device>.json [--quick]
+
+Bytes are counted as FBGEMM's benchmark does: forward = out_bytes*B*sum(D) +
+w_bytes*(ids looked up)*D (for fixed bags: w_bytes*B*sum(D)*L). Each timing is the
+median of 5 repeats of `iters` back-to-back calls (asynchronous dispatch keeps the GPU
+busy; the host waits once per repeat), after a warm-up; the requests rotate among 4
+pre-generated id sets; L2 (50 MB) is not flushed, the tables are far larger.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
+
+import jax  # noqa: E402
+import jaxlib  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxrec  # noqa: E402
+from jaxrec.ops import TableLayout, embedding_bag_lookup, init_weights  # noqa: E402
+
+try:
+    import torch
+except ImportError:  # the peer is optional
+    torch = None
+
+SETS = 4
+CRITEO_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+               27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
+
+
+def timed(fn, arg_sets, iters, sync):
+    sync(fn(*arg_sets[0]))
+    for i in range(3):
+        sync(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for i in range(iters):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        sync(out)
+        times.append((time.perf_counter() - start) / iters)
+    return statistics.median(times)
+
+
+def jax_time(fn, arg_sets, iters):
+    return timed(fn, arg_sets, iters, jax.block_until_ready)
+
+
+def torch_time(fn, arg_sets, iters):
+    return timed(fn, arg_sets, iters, lambda _: torch.cuda.synchronize())
+
+
+def zipf_ids(rng, rows, shape, alpha=1.15):
+    """Zipf(alpha) ranks mapped through a fixed permutation, duplicates removed per bag
+    (FBGEMM's generator), topped up with uniform ids where a bag ran short."""
+    ranks = np.arange(1, rows + 1, dtype=np.float64)
+    cdf = np.cumsum(ranks ** -alpha)
+    cdf /= cdf[-1]
+    perm = rng.permutation(rows)
+    bags, length = int(np.prod(shape[:-1])), shape[-1]
+    cand = perm[np.minimum(np.searchsorted(cdf, rng.random((bags, 3 * length))), rows - 1)]
+    out = rng.integers(0, rows, size=(bags, length))
+    for k in range(bags):
+        uniq, first = np.unique(cand[k], return_index=True)
+        uniq = uniq[np.argsort(first)][:length]
+        out[k, :len(uniq)] = uniq
+    return out.reshape(shape)
+
+
+def fixed_bag_case(rng, cfg, dtype, dist):
+    t, e, d, b, l = cfg["T"], cfg["E"], cfg["D"], cfg["B"], cfg["L"]
+    layout = TableLayout.from_embedding_specs([(e, d)] * t)
+    weights = init_weights(jax.random.key(0), layout, dtype)
+    sets = []
+    for _ in range(SETS):
+        ids = zipf_ids(rng, e, (t, b, l)) if dist == "zipf" else rng.integers(0, e, size=(t, b, l))
+        sets.append(ids.astype(np.int32))
+    return layout, weights, sets
+
+
+def bench_fixed(rng, cfg, dtype, dist, iters, results, backward):
+    t, e, d, b, l = cfg["T"], cfg["E"], cfg["D"], cfg["B"], cfg["L"]
+    layout, weights, id_sets = fixed_bag_case(rng, cfg, dtype, dist)
+    w_bytes = jnp.dtype(dtype).itemsize
+    nbytes = 4 * b * t * d + w_bytes * b * t * d * l
+    offsets = jnp.arange(0, t * b * l + 1, l, dtype=jnp.int32)
+    flat_sets = [(weights, jnp.asarray(ids.reshape(-1)), offsets) for ids in id_sets]
+    table3d = weights.reshape(t, e, d)
+    grouped_sets = [(table3d, jnp.asarray(ids)) for ids in id_sets]
+
+    lookup = jax.jit(lambda w, i, o: embedding_bag_lookup(w, i, o, layout=layout, bounds_check_mode="NONE"))
+    lookup_checked = jax.jit(lambda w, i, o: embedding_bag_lookup(w, i, o, layout=layout))
+
+    def xla_take_sum(w3, ids):  # [T, E, D], [T, B, L] -> [B, T*D]
+        pooled = jax.vmap(lambda table, i: jnp.take(table, i, axis=0).astype(jnp.float32).sum(1))(w3, ids)
+        return pooled.transpose(1, 0, 2).reshape(b, t * d)
+
+    def xla_segment_sum(w3, ids):
+        rows = w3.reshape(t * e, d)[(ids + (jnp.arange(t) * e)[:, None, None]).reshape(-1)]
+        seg = jnp.repeat(jnp.arange(t * b), l)
+        pooled = jax.ops.segment_sum(rows.astype(jnp.float32), seg, num_segments=t * b)
+        return pooled.reshape(t, b, d).transpose(1, 0, 2).reshape(b, t * d)
+
+    row = dict(config=cfg["name"], **{k: cfg[k] for k in "TEDBL"}, weights=jnp.dtype(dtype).name,
+               ids=dist, bytes=nbytes)
+    times = {"jaxrec": jax_time(lookup, flat_sets, iters),
+             "jaxrec_with_bounds_check": jax_time(lookup_checked, flat_sets, iters),
+             "xla_take_sum": jax_time(jax.jit(xla_take_sum), grouped_sets, iters),
+             "xla_segment_sum": jax_time(jax.jit(xla_segment_sum), grouped_sets, iters)}
+    row["max_abs_diff_vs_xla"] = max_abs_diff(lookup(*flat_sets[0]), jax.jit(xla_take_sum)(*grouped_sets[0]))
+    if torch is not None:
+        tw = torch.from_dlpack(weights).view(t * e, d)
+        tsets = []
+        for ids in id_sets:
+            gid = torch.from_dlpack(jnp.asarray((ids + np.arange(t)[:, None, None] * e).reshape(-1)))
+            tsets.append((tw, gid.long(), torch.arange(0, t * b * l + 1, l, device="cuda")))
+        times["torch_embedding_bag"] = torch_time(
+            lambda w, i, o: torch.nn.functional.embedding_bag(i, w, o, mode="sum", include_last_offset=True),
+            tsets, iters)
+    row["ms"] = {k: v * 1e3 for k, v in times.items()}
+    row["GB_per_s"] = {k: nbytes / v / 1e9 for k, v in times.items()}
+    row["speedup_of_jaxrec"] = {k: v / times["jaxrec"] for k, v in times.items() if k != "jaxrec"}
+    results.append(row)
+    print(_line(row), flush=True)
+
+    if backward:
+        g_sets = [(w, i, o, jax.random.normal(jax.random.key(k), (b, t * d))) for k, (w, i, o) in enumerate(flat_sets)]
+        bwd = jax.jit(lambda w, i, o, g: jax.vjp(lambda w: embedding_bag_lookup(
+            w, i, o, layout=layout, bounds_check_mode="NONE"), w)[1](g)[0])
+        xla_bwd = jax.jit(lambda w3, ids, g: jax.vjp(lambda w3: xla_take_sum(w3, ids), w3)[1](g)[0])
+        gx_sets = [(table3d, jnp.asarray(ids), g) for ids, (_, _, _, g) in zip(id_sets, g_sets)]
+        diff = max_abs_diff(bwd(*g_sets[0]).reshape(t, e, d), xla_bwd(*gx_sets[0]))
+        btimes = {"jaxrec": jax_time(bwd, g_sets, iters), "xla_scatter_add": jax_time(xla_bwd, gx_sets, iters)}
+        brow = dict(config=cfg["name"] + "_dense_backward", **{k: cfg[k] for k in "TEDBL"},
+                    weights=jnp.dtype(dtype).name, ids=dist, max_abs_diff_vs_xla=diff,
+                    bytes=4 * b * t * d + 4 * b * t * d * l + 4 * t * e * d,
+                    ms={k: v * 1e3 for k, v in btimes.items()},
+                    speedup_of_jaxrec={"xla_scatter_add": btimes["xla_scatter_add"] / btimes["jaxrec"]})
+        brow["GB_per_s"] = {k: brow["bytes"] / v / 1e9 for k, v in btimes.items()}
+        results.append(brow)
+        print(_line(brow), flush=True)
+    del weights, table3d, flat_sets, grouped_sets
+
+
+def bench_jagged(rng, name, rows, dims, b, max_len, iters, results):
+    """Per-table rows and dims, jagged bag lengths U[0, max_len]."""
+    t = len(rows)
+    layout = TableLayout.from_embedding_specs(list(zip(rows, dims)))
+    weights = init_weights(jax.random.key(1), layout)
+    tables = layout.split_embedding_weights(weights)
+    sets, nbytes = [], []
+    for _ in range(SETS):
+        lengths = rng.integers(0, max_len + 1, size=(t, b))
+        ids = [rng.integers(0, rows[f], size=int(lengths[f].sum())).astype(np.int32) for f in range(t)]
+        sets.append((lengths, ids))
+        nbytes.append(4 * b * sum(dims) + 4 * sum(int(lengths[f].sum()) * dims[f] for f in range(t)))
+    nbytes = float(np.mean(nbytes))
+    flat_sets, table_sets = [], []
+    for lengths, ids in sets:
+        offsets = np.concatenate([[0], np.cumsum(lengths.reshape(-1))]).astype(np.int32)
+        flat_sets.append((weights, jnp.asarray(np.concatenate(ids)), jnp.asarray(offsets)))
+        segs = [jnp.asarray(np.repeat(np.arange(b), lengths[f]).astype(np.int32)) for f in range(t)]
+        table_sets.append((tables, [jnp.asarray(i) for i in ids], segs))
+
+    lookup = jax.jit(lambda w, i, o: embedding_bag_lookup(w, i, o, layout=layout, bounds_check_mode="NONE"))
+
+    def xla_per_table(tables, ids, segs):
+        return jnp.concatenate([jax.ops.segment_sum(tb[i], s, num_segments=b)
+                                for tb, i, s in zip(tables, ids, segs)], axis=1)
+
+    times = {"jaxrec": jax_time(lookup, flat_sets, iters),
+             "xla_per_table_segment_sum": jax_time(jax.jit(xla_per_table), table_sets, iters)}
+    diff = max_abs_diff(lookup(*flat_sets[0]), jax.jit(xla_per_table)(*table_sets[0]))
+    if torch is not None:
+        ttables = [torch.from_dlpack(tb) for tb in tables]
+        tsets = []
+        for lengths, ids in sets:
+            tsets.append([(torch.from_dlpack(jnp.asarray(i)).long(),
+                           torch.from_dlpack(jnp.asarray(np.concatenate([[0], np.cumsum(lengths[f])]).astype(np.int32))).long())
+                          for f, i in enumerate(ids)])
+
+        def torch_per_table(pairs):
+            return torch.cat([torch.nn.functional.embedding_bag(i, tb, o, mode="sum", include_last_offset=True)
+                              for tb, (i, o) in zip(ttables, pairs)], dim=1)
+
+        times["torch_per_table_embedding_bag"] = torch_time(torch_per_table, [(s,) for s in tsets], iters)
+    row = dict(config=name, T=t, B=b, dims=sorted(set(dims)), max_len=max_len, weights="float32",
+               ids="uniform", bytes=nbytes, max_abs_diff_vs_xla=diff,
+               ms={k: v * 1e3 for k, v in times.items()},
+               GB_per_s={k: nbytes / v / 1e9 for k, v in times.items()},
+               speedup_of_jaxrec={k: v / times["jaxrec"] for k, v in times.items() if k != "jaxrec"})
+    results.append(row)
+    print(_line(row), flush=True)
+
+
+def copy_ceiling(iters):
+    x = jnp.asarray(np.random.default_rng(0).random(2**29, dtype=np.float32))  # 2 GiB
+    t = jax_time(jax.jit(lambda x: x * 1.5), [(x,)], iters)
+    return 2 * x.nbytes / t / 1e9
+
+
+def max_abs_diff(a, b):
+    return float(jax.jit(lambda a, b: jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))(a, b))
+
+
+def _line(row):
+    gbs = ", ".join(f"{k} {v:.0f}" for k, v in row["GB_per_s"].items())
+    sp = ", ".join(f"{k} {v:.2f}x" for k, v in row["speedup_of_jaxrec"].items())
+    return f"{row['config']:<28} {row.get('weights', ''):<8} {row.get('ids', ''):<7} GB/s: {gbs} | jaxrec speedup: {sp}"
+
+
+def _nvidia_driver():
+    try:
+        return subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        return None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--quick", action="store_true", help="small configs only (smoke test)")
+    args = parser.parse_args()
+    rng = np.random.default_rng(0)
+    iters = 20 if args.quick else 50
+    results = []
+    ceiling = copy_ceiling(iters)
+    print(f"device-to-device copy ceiling: {ceiling:.0f} GB/s", flush=True)
+    bench_fixed(rng, dict(name="fbgemm_default", T=32, E=100_000, D=128, B=512, L=20), jnp.float32, "uniform", iters, results, backward=True)
+    if not args.quick:
+        big = dict(name="T32_E1e6_B4096", T=32, E=1_000_000, D=128, B=4096, L=20)
+        bench_fixed(rng, big, jnp.float32, "uniform", iters, results, backward=True)
+        bench_fixed(rng, big, jnp.float32, "zipf", iters, results, backward=False)
+        bench_fixed(rng, big, jnp.bfloat16, "uniform", iters, results, backward=False)
+        bench_fixed(rng, big, jnp.float16, "uniform", iters, results, backward=False)
+        bench_fixed(rng, dict(name="T2_E1e7_D192_B65536", T=2, E=10_000_000, D=192, B=65536, L=32), jnp.float32, "uniform", iters, results, backward=False)
+        bench_jagged(rng, "jagged_T32_E1e6_D128", [1_000_000] * 32, [128] * 32, 4096, 40, iters, results)
+    dims = [(16, 32, 64, 128, 256)[i % 5] for i in range(26)]
+    bench_jagged(rng, "criteo_26_mixed_dims", [min(r, 2_000_000) for r in CRITEO_ROWS], dims, 4096, 40, iters, results)
+
+    device = jax.devices()[0]
+    info = dict(
+        device=device.device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
+        torch=torch.__version__ if torch else None, jaxrec_build=jaxrec.build_info(),
+        driver=_nvidia_driver(),
+        copy_ceiling_GB_per_s=ceiling, results=results,
+        method="median of 5 repeats of back-to-back calls after warm-up; requests rotate among 4 "
+               "pre-generated id sets; L2 not flushed; jaxrec without bounds check unless named so")
+    with open(args.out, "w") as f:
+        json.dump(info, f, indent=1, default=str)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
