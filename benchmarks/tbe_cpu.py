@@ -2,9 +2,10 @@
 
     python benchmarks/tbe_cpu.py [--configs 8,32] [--iters 30] [--out benchmarks/results/...json]
 
-One process; fp32 tables of E rows x D, T features (one table each), B samples,
-fixed bag length L, uniform random ids, a fresh id set for every timed iteration
-(a few sets pre-generated and rotated), median of --iters after warm-up.
+One process, the peers timed round-robin (one iteration each in turn, so they share
+whatever else the machine does); fp32 tables of E rows x D, T features (one table
+each), B samples, fixed bag length L, uniform random ids, a fresh id set for every
+timed iteration (a few sets pre-generated and rotated), median of --iters after warm-up.
 
 * forward: jaxrec (jit'd ffi_call of jaxrec_tbe_forward); XLA (jnp.take + sum over L);
   FBGEMM (SplitTableBatchedEmbeddingBagsCodegen, HOST/CPU, bounds check off since
@@ -43,17 +44,22 @@ def register():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
 
 
-def median_ms(fn, inputs, iters, warmup=3):
-    """fn(*inputs[i % len]) must block until done; returns the median in ms."""
+def interleaved_medians(steps, num_inputs, iters, warmup=3):
+    """steps: {name: fn(i)} (fn runs with id set i and blocks until done).
+
+    The peers run round-robin, one iteration each in turn, so that they share whatever
+    else the machine is doing; returns {name: median ms}.
+    """
     for i in range(warmup):
-        fn(*inputs[i % len(inputs)])
-    times = []
+        for fn in steps.values():
+            fn(i % num_inputs)
+    times = {name: [] for name in steps}
     for i in range(iters):
-        args = inputs[i % len(inputs)]
-        start = time.perf_counter()
-        fn(*args)
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+        for name, fn in steps.items():
+            start = time.perf_counter()
+            fn(i % num_inputs)
+            times[name].append((time.perf_counter() - start) * 1e3)
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def packed_layout(T, E, D):
@@ -61,7 +67,7 @@ def packed_layout(T, E, D):
     return np.array(values, np.int64).view(np.int32)
 
 
-def bench_jaxrec_and_xla(cfg, weights_np, id_sets, cotangent, iters):
+def jaxrec_and_xla_steps(cfg, weights_np, id_sets, cotangent):
     T, E, D, B, L = (cfg[k] for k in "TEDBL")
     weights = jnp.asarray(weights_np)
     layout = jnp.asarray(packed_layout(T, E, D))
@@ -99,14 +105,14 @@ def bench_jaxrec_and_xla(cfg, weights_np, id_sets, cotangent, iters):
     np.testing.assert_allclose(jaxrec_fwd_bwd(*ids[0]), xla_fwd_bwd(*ids[0]), rtol=1e-4, atol=1e-4)
     block = jax.block_until_ready
     return {
-        "jaxrec_forward_ms": median_ms(lambda *a: block(jaxrec_fwd(*a)), ids, iters),
-        "xla_forward_ms": median_ms(lambda *a: block(xla_fwd(*a)), ids, iters),
-        "jaxrec_forward_backward_ms": median_ms(lambda *a: block(jaxrec_fwd_bwd(*a)), ids, iters),
-        "xla_forward_backward_ms": median_ms(lambda *a: block(xla_fwd_bwd(*a)), ids, iters),
+        "jaxrec_forward_ms": lambda i: block(jaxrec_fwd(*ids[i])),
+        "xla_forward_ms": lambda i: block(xla_fwd(*ids[i])),
+        "jaxrec_forward_backward_ms": lambda i: block(jaxrec_fwd_bwd(*ids[i])),
+        "xla_forward_backward_ms": lambda i: block(xla_fwd_bwd(*ids[i])),
     }
 
 
-def bench_fbgemm(cfg, weights_np, id_sets, cotangent, iters):
+def fbgemm_steps(cfg, weights_np, id_sets, cotangent):
     import torch
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -115,36 +121,43 @@ def bench_fbgemm(cfg, weights_np, id_sets, cotangent, iters):
     T, E, D, B, L = (cfg[k] for k in "TEDBL")
     offsets = torch.arange(T * B + 1, dtype=torch.int64) * L
     g = torch.from_numpy(cotangent)
-    inputs = [(torch.from_numpy(s.astype(np.int64)),) for s in id_sets]
-    results = {}
-    for name, optimizer, check in [("fbgemm_forward_ms", OptimType.EXACT_SGD, BoundsCheckMode.NONE),
-                                   ("fbgemm_forward_checked_ms", OptimType.EXACT_SGD, BoundsCheckMode.WARNING),
-                                   ("fbgemm_forward_backward_sgd_ms", OptimType.EXACT_SGD, BoundsCheckMode.NONE)]:
+    ids = [torch.from_numpy(s.astype(np.int64)) for s in id_sets]
+    modules = {}
+    for check in (BoundsCheckMode.NONE, BoundsCheckMode.WARNING):
+        # EXACT_SGD with learning rate 0: the backward runs, the tables stay equal to jaxrec's.
         emb = SplitTableBatchedEmbeddingBagsCodegen(
-            [(E, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T, optimizer=optimizer,
-            learning_rate=0.0, bounds_check_mode=check)  # lr 0: the tables stay equal to jaxrec's
+            [(E, D, EmbeddingLocation.HOST, ComputeDevice.CPU)] * T, optimizer=OptimType.EXACT_SGD,
+            learning_rate=0.0, bounds_check_mode=check)
         with torch.no_grad():
             emb.weights_host.copy_(torch.from_numpy(weights_np))
-        if "backward" in name:
-            def step(ids):
-                emb(ids, offsets).backward(g)
-        else:
-            def step(ids):
-                with torch.no_grad():
-                    emb(ids, offsets)
-        results[name] = median_ms(step, inputs, iters)
-        if name == "fbgemm_forward_ms":
-            with torch.no_grad():
-                results["_fbgemm_out"] = emb(inputs[0][0], offsets).numpy()
-        del emb
-    return results
+        modules[check] = emb
+    unchecked, checked = modules[BoundsCheckMode.NONE], modules[BoundsCheckMode.WARNING]
+
+    def forward(emb, i):
+        with torch.no_grad():
+            return emb(ids[i], offsets)
+
+    def forward_backward(i):
+        unchecked(ids[i], offsets).backward(g)
+
+    with torch.no_grad():
+        first_output = unchecked(ids[0], offsets).numpy()
+    steps = {"fbgemm_forward_ms": lambda i: forward(unchecked, i),
+             "fbgemm_forward_checked_ms": lambda i: forward(checked, i),
+             "fbgemm_forward_backward_sgd_ms": forward_backward}
+    return steps, first_output
 
 
 def machine_info():
     model = next((line.split(":", 1)[1].strip() for line in subprocess.run(
         ["lscpu"], capture_output=True, text=True).stdout.splitlines() if line.startswith("Model name")), "?")
     info = {"cpu_model": model, "cores": os.cpu_count(), "platform": platform.platform(),
-            "python": platform.python_version(), "jax": jax.__version__}
+            "python": platform.python_version(), "jax": jax.__version__,
+            "load_average_at_end": os.getloadavg()}
+    try:  # the dense backward gains most where transparent huge pages are on or `madvise`
+        info["transparent_hugepage"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        pass
     import jaxlib
     info["jaxlib"] = jaxlib.__version__
     try:
@@ -173,15 +186,18 @@ def main():
         weights = rng.uniform(-0.01, 0.01, T * E * D).astype(np.float32)
         id_sets = [rng.integers(0, E, T * B * L, dtype=np.int32) for _ in range(NUM_ID_SETS)]
         cotangent = rng.standard_normal((B, T * D)).astype(np.float32)
-        times = bench_jaxrec_and_xla(cfg, weights, id_sets, cotangent, args.iters)
+        steps = jaxrec_and_xla_steps(cfg, weights, id_sets, cotangent)
         if not args.no_fbgemm:
-            fb = bench_fbgemm(cfg, weights, id_sets, cotangent, args.iters)
+            fb_steps, fb_out = fbgemm_steps(cfg, weights, id_sets, cotangent)
             jaxrec_out = np.asarray(jax.jit(lambda w, i: jax.ffi.ffi_call(
                 "jaxrec_tbe_forward", jax.ShapeDtypeStruct((B, T * D), jnp.float32))(
                 w, i, jnp.arange(T * B + 1, dtype=jnp.int32) * L, jnp.zeros((0,), jnp.float32),
                 jnp.asarray(packed_layout(T, E, D)), pooling=np.int32(0)))(weights, id_sets[0]))
-            np.testing.assert_allclose(jaxrec_out, fb.pop("_fbgemm_out"), rtol=1e-4, atol=1e-5)
-            times.update(fb)
+            np.testing.assert_allclose(jaxrec_out, fb_out, rtol=1e-4, atol=1e-5)
+            steps.update(fb_steps)
+        del weights
+        times = interleaved_medians(steps, NUM_ID_SETS, args.iters)
+        del steps
         ratios = {"xla_forward / jaxrec_forward": times["xla_forward_ms"] / times["jaxrec_forward_ms"],
                   "xla_forward_backward / jaxrec_forward_backward":
                       times["xla_forward_backward_ms"] / times["jaxrec_forward_backward_ms"]}
@@ -193,7 +209,6 @@ def main():
         runs.append({"config": cfg, "times_ms": times, "ratios": ratios,
                      "jaxrec_forward_GB_per_s": gb / (times["jaxrec_forward_ms"] / 1e3)})
         print(json.dumps(runs[-1], indent=1), flush=True)
-        del weights
     result = {"date": datetime.date.today().isoformat(), "machine": machine_info(), "iters": args.iters,
               "id_sets": NUM_ID_SETS, "runs": runs}
     out = Path(args.out or Path(__file__).parent / "results" / f"tbe_cpu_{result['date']}.json")

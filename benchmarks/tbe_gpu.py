@@ -140,7 +140,8 @@ def bench_fixed(rng, cfg, dtype, dist, iters, results, backward):
             w, i, o, layout=layout, bounds_check_mode="NONE"), w)[1](g)[0])
         xla_bwd = jax.jit(lambda w3, ids, g: jax.vjp(lambda w3: xla_take_sum(w3, ids), w3)[1](g)[0])
         gx_sets = [(table3d, jnp.asarray(ids), g) for ids, (_, _, _, g) in zip(id_sets, g_sets)]
-        diff = max_abs_diff(bwd(*g_sets[0]).reshape(t, e, d), xla_bwd(*gx_sets[0]))
+        # Both dense gradients at once do not fit beside 16 GB tables: compare the small config only.
+        diff = max_abs_diff(bwd(*g_sets[0]).reshape(t, e, d), xla_bwd(*gx_sets[0])) if t * e * d < 2**30 else None
         btimes = {"jaxrec": jax_time(bwd, g_sets, iters), "xla_scatter_add": jax_time(xla_bwd, gx_sets, iters)}
         brow = dict(config=cfg["name"] + "_dense_backward", **{k: cfg[k] for k in "TEDBL"},
                     weights=jnp.dtype(dtype).name, ids=dist, max_abs_diff_vs_xla=diff,

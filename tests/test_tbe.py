@@ -200,10 +200,11 @@ def test_matches_torch_embedding_bag_when_available(platform):
     batch = 5
     for f in range(layout.num_features):
         table = torch.tensor(np.asarray(layout.split_embedding_weights(weights)[layout.feature_table_map[f]]))
-        o = offsets[f * batch:(f + 1) * batch + 1]
+        o = offsets[f * batch:(f + 1) * batch + 1].astype(np.int64)
+        ids, weights_f = indices[o[0]:o[-1]].astype(np.int64), psw[o[0]:o[-1]]
         want = torch.nn.functional.embedding_bag(
-            torch.tensor(indices[:offsets[-1]].astype(np.int64)), table, torch.tensor(o.astype(np.int64)),
-            mode="sum", per_sample_weights=torch.tensor(psw[:offsets[-1]]), include_last_offset=True)
+            torch.tensor(ids), table, torch.tensor(o - o[0]), mode="sum",
+            per_sample_weights=torch.tensor(weights_f), include_last_offset=True)
         cols = slice(layout.output_offsets[f], layout.output_offsets[f + 1])
         np.testing.assert_allclose(out[:, cols], want.numpy(), rtol=1e-5, atol=1e-6)
 

@@ -1,8 +1,8 @@
 // CUDA handler of the TBE backward: the dense gradient of the flat weight buffer
 // and the gradient of the per-sample weights (see common/tbe.h for the layout).
 //
-// The Python wrapper sorts the (row key, position) pairs with XLA's sort, so all
-// uses of one table row are adjacent. One warp per run of equal keys sums the
+// The Python wrapper sorts the (row key, position) pairs with XLA's sort and hands
+// over each sorted position's bag, so all uses of one table row are adjacent. One warp per run of equal keys sums the
 // run's gradient rows in sorted order and writes the row once: no float atomics,
 // the same result every run. Hot rows (long runs) are summed by a single warp.
 #include <cuda_runtime.h>
@@ -63,17 +63,16 @@ template <typename G, typename I>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
     RowGradients(const G* __restrict__ grad, const I* __restrict__ indices,
                  const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
-                 const I* __restrict__ sorted_positions, float* __restrict__ grad_weights,
-                 BackwardArgs args) {
+                 const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags,
+                 float* __restrict__ grad_weights, BackwardArgs args) {
   const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   if (i >= args.num_indices) return;
   const I key = sorted_keys[i];
   if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
 
-  const int64_t num_bags = args.num_features * args.batch_size;
   const I first = sorted_positions[i];
-  const int64_t f0 = BagOf(offsets, num_bags, first) / args.batch_size;
+  const int64_t f0 = sorted_bags[i] / args.batch_size;
   const int64_t dim = args.dims[f0];
   float* dest = grad_weights + args.table_offsets[f0] + static_cast<int64_t>(indices[first]) * dim;
 
@@ -82,11 +81,11 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int64_t j = i; j < args.num_indices && sorted_keys[j] == key; ++j) {
       const I p = sorted_positions[j];
-      const int64_t bag = BagOf(offsets, num_bags, p);
+      const int64_t bag = sorted_bags[j];
       const int64_t f = bag / args.batch_size;
-      Fma4(acc, PositionScale(args, offsets, bag, p), LoadPartial4(GradRow(args, grad, bag, f, p) + c, count));
+      Fma4(acc, PositionScale(args, offsets, bag, p), LoadAny4(GradRow(args, grad, bag, f, p) + c, count));
     }
-    StorePartial4(dest + c, acc, count);
+    StoreAny4(dest + c, acc, count);
   }
 }
 
@@ -129,7 +128,7 @@ template <typename G, typename W, typename I>
 ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBuffer& weights,
                const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets,
                const ffi::AnyBuffer& sorted_keys, const ffi::AnyBuffer& sorted_positions,
-               float* grad_weights, size_t grad_weights_bytes, float* grad_psw,
+               const ffi::AnyBuffer& sorted_bags, float* grad_weights, size_t grad_weights_bytes, float* grad_psw,
                const BackwardArgs& args) {
   if (ffi::Error e = Check(cudaMemsetAsync(grad_weights, 0, grad_weights_bytes, stream), "memset");
       e.failure()) {
@@ -140,7 +139,7 @@ ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBu
   RowGradients<G, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
       reinterpret_cast<const G*>(grad.untyped_data()), indices.typed_data<I>(),
       offsets.typed_data<I>(), sorted_keys.typed_data<I>(), sorted_positions.typed_data<I>(),
-      grad_weights, args);
+      sorted_bags.typed_data<I>(), grad_weights, args);
   if (ffi::Error e = Check(cudaGetLastError(), "row gradients"); e.failure()) return e;
   if (grad_psw != nullptr) {
     if (ffi::Error e = Check(cudaMemsetAsync(grad_psw, 0, args.num_indices * sizeof(float), stream),
@@ -161,12 +160,12 @@ template <typename G, typename I>
 ffi::Error DispatchWeights(cudaStream_t stream, const ffi::AnyBuffer& grad,
                            const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
                            const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& keys,
-                           const ffi::AnyBuffer& positions, float* gw, size_t gw_bytes,
+                           const ffi::AnyBuffer& positions, const ffi::AnyBuffer& bags, float* gw, size_t gw_bytes,
                            float* gpsw, const BackwardArgs& args) {
   switch (weights.element_type()) {
-    case ffi::DataType::F32: return Run<G, float, I>(stream, grad, weights, indices, offsets, keys, positions, gw, gw_bytes, gpsw, args);
-    case ffi::DataType::F16: return Run<G, __half, I>(stream, grad, weights, indices, offsets, keys, positions, gw, gw_bytes, gpsw, args);
-    case ffi::DataType::BF16: return Run<G, __nv_bfloat16, I>(stream, grad, weights, indices, offsets, keys, positions, gw, gw_bytes, gpsw, args);
+    case ffi::DataType::F32: return Run<G, float, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes, gpsw, args);
+    case ffi::DataType::F16: return Run<G, __half, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes, gpsw, args);
+    case ffi::DataType::BF16: return Run<G, __nv_bfloat16, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes, gpsw, args);
     default: return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: weights must be f32, f16 or bf16");
   }
 }
@@ -175,7 +174,7 @@ ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::
                                  ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                                  ffi::Buffer<ffi::F32> per_sample_weights,
                                  ffi::Buffer<ffi::S32> layout, ffi::AnyBuffer sorted_keys,
-                                 ffi::AnyBuffer sorted_positions,
+                                 ffi::AnyBuffer sorted_positions, ffi::AnyBuffer sorted_bags,
                                  ffi::Result<ffi::Buffer<ffi::F32>> grad_weights,
                                  ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t pooling) {
   const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
@@ -183,9 +182,10 @@ ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::
   if (num_features == 0 || num_bags % num_features != 0 ||
       indices.element_type() != offsets.element_type() ||
       sorted_keys.element_type() != indices.element_type() ||
-      sorted_positions.element_type() != indices.element_type()) {
+      sorted_positions.element_type() != indices.element_type() ||
+      sorted_bags.element_type() != indices.element_type()) {
     return ffi::Error::InvalidArgument(
-        "jaxrec_tbe_backward_sorted: offsets (T*B+1) and the sorted keys/positions must use the "
+        "jaxrec_tbe_backward_sorted: offsets (T*B+1) and the sorted keys/positions/bags must use the "
         "indices' dtype");
   }
   const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
@@ -208,9 +208,9 @@ ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
     switch (grad.element_type()) {
-      case ffi::DataType::F32: return DispatchWeights<float, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, gw, gw_bytes, gpsw, args);
-      case ffi::DataType::F16: return DispatchWeights<__half, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, gw, gw_bytes, gpsw, args);
-      case ffi::DataType::BF16: return DispatchWeights<__nv_bfloat16, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, gw, gw_bytes, gpsw, args);
+      case ffi::DataType::F32: return DispatchWeights<float, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
+      case ffi::DataType::F16: return DispatchWeights<__half, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
+      case ffi::DataType::BF16: return DispatchWeights<__nv_bfloat16, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
       default: return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: grad must be f32, f16 or bf16");
     }
   });
@@ -230,6 +230,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeBackwardSortedCuda, jaxrec::TbeBackwardSo
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layout
                                   .Arg<xla::ffi::AnyBuffer>()              // sorted_keys
                                   .Arg<xla::ffi::AnyBuffer>()              // sorted_positions
+                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_bags
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_weights
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_per_sample_weights
                                   .Attr<int32_t>("pooling"));

@@ -73,6 +73,23 @@ __device__ __forceinline__ void StorePartial4(T* p, float4 v, int count) {
   }
 }
 
+// Four elements [0, count) through one vector access when `p` allows it.
+template <typename T>
+__device__ __forceinline__ float4 LoadAny4(const T* p, int count) {
+  const bool aligned = reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+  return count == 4 && aligned ? Load4(p) : LoadPartial4(p, count);
+}
+
+template <typename T>
+__device__ __forceinline__ void StoreAny4(T* p, float4 v, int count) {
+  const bool aligned = reinterpret_cast<uintptr_t>(p) % (4 * sizeof(T)) == 0;
+  if (count == 4 && aligned) {
+    Store4(p, v);
+  } else {
+    StorePartial4(p, v, count);
+  }
+}
+
 // How many of the 4 columns from `column` on are inside a row of `dim` columns.
 __device__ __forceinline__ int ColumnsLeft(int64_t dim, int64_t column) {
   return dim - column < 4 ? static_cast<int>(dim - column) : 4;

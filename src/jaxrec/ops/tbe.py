@@ -251,10 +251,11 @@ def _backward_kernel_cuda(config: _Config, grad_output, weights, per_sample_weig
     n = indices.shape[0]
     key = row_keys(config.layout, indices, offsets)
     sorted_key, sorted_position = jax.lax.sort_key_val(key, jnp.arange(n, dtype=indices.dtype))
+    sorted_bag = bag_of_position(offsets, n)[sorted_position]
     call = jax.ffi.ffi_call("jaxrec_tbe_backward_sorted", _grad_shapes(weights, per_sample_weights),
                             vmap_method="sequential")
     return call(grad_output, weights, indices, offsets, per_sample_weights,
-                jnp.asarray(config.layout.packed()), sorted_key, sorted_position,
+                jnp.asarray(config.layout.packed()), sorted_key, sorted_position, sorted_bag,
                 pooling=np.int32(config.pooling))
 
 
