@@ -18,7 +18,6 @@ timed iteration (a few sets pre-generated and rotated), median of --iters after 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
 import json
 import os
@@ -38,10 +37,8 @@ NUM_ID_SETS = 4
 
 
 def register():
-    lib = ctypes.CDLL(str(_ffi._library_path("jaxrec_cpu")))
-    for target, symbol in [("jaxrec_tbe_forward", "JaxrecTbeForwardCpu"),
-                           ("jaxrec_tbe_backward", "JaxrecTbeBackwardCpu")]:
-        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    if not _ffi.has_kernel("cpu"):  # registers jaxrec_tbe_forward / _backward for the CPU
+        raise SystemExit("jaxrec was built without its CPU library; see jaxrec.build_info()")
 
 
 def interleaved_medians(steps, num_inputs, iters, warmup=3):

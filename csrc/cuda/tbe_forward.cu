@@ -18,7 +18,7 @@ namespace jaxrec {
 namespace {
 
 constexpr int kWarpsPerBlock = 8;
-constexpr int kUnroll = 8;
+constexpr int kUnroll = 4;
 
 struct ForwardArgs {
   const int64_t* table_offsets;
@@ -31,42 +31,6 @@ struct ForwardArgs {
   const float* per_sample_weights;  // nullptr when unweighted
   bool mean;
 };
-
-// Sums w_p * row(p)[c, c + 4) over the bag into `acc`. The group's lanes load G ids
-// (and weights) at once, coalesced, and pass them around with shuffles, so each
-// lane has kUnroll independent 16-byte row loads in flight and no load waits on an
-// id load. All lanes of a group run the same trip counts (the shuffles need it).
-template <typename W, typename I>
-__device__ __forceinline__ void AccumulateVectorRows(const W* table, const I* __restrict__ indices,
-                                                     const float* __restrict__ psw, I start, I end,
-                                                     int64_t dim, int64_t c, int shift, int lane,
-                                                     float4& acc) {
-  const int group = 1 << shift;
-  const int group_lane = lane & (group - 1);
-  const unsigned mask = group == kWarpSize ? 0xffffffffu
-                                           : ((1u << group) - 1) << (lane & ~(group - 1));
-  for (I base = start; base < end; base += group) {
-    const I mine = base + group_lane;
-    const I my_id = mine < end ? indices[mine] : I{0};
-    const float my_weight = psw != nullptr && mine < end ? psw[mine] : 1.f;
-    const int count = end - base < group ? static_cast<int>(end - base) : group;
-    for (int u0 = 0; u0 < count; u0 += kUnroll) {
-      float4 v[kUnroll];
-      float w[kUnroll];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const I id = __shfl_sync(mask, my_id, u0 + u, group);
-        w[u] = __shfl_sync(mask, my_weight, u0 + u, group);
-        v[u] = u0 + u < count ? Load4(table + static_cast<int64_t>(id) * dim + c)
-                              : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (u0 + u < count) Fma4(acc, w[u], v[u]);
-      }
-    }
-  }
-}
 
 // kSequence: PoolingMode::kNone, one output row per index position.
 template <typename W, typename O, typename I, bool kSequence>
@@ -111,10 +75,24 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
     for (int64_t c = 4 * group_lane; c < dim; c += chunk) {
       const int count = ColumnsLeft(dim, c);
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      I p = start;
       if (vector_rows) {
-        AccumulateVectorRows(table, indices, psw, start, end, dim, c, shift, lane, acc);
+        for (; p + kUnroll <= end; p += kUnroll) {
+          float4 v[kUnroll];
+          float w[kUnroll];
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            v[u] = Load4(table + static_cast<int64_t>(indices[p + u]) * dim + c);
+            w[u] = psw ? psw[p + u] : 1.f;
+          }
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) Fma4(acc, w[u], v[u]);
+        }
+        for (; p < end; ++p) {
+          Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(indices[p]) * dim + c));
+        }
       } else {
-        for (I p = start; p < end; ++p) {
+        for (; p < end; ++p) {
           Fma4(acc, psw ? psw[p] : 1.f,
                LoadPartial4(table + static_cast<int64_t>(indices[p]) * dim + c, count));
         }
