@@ -89,7 +89,7 @@ def fixed_bag_case(rng, cfg, dtype, dist):
     return layout, weights, sets
 
 
-def bench_fixed(rng, cfg, dtype, dist, iters, results, backward):
+def bench_fixed(rng, cfg, dtype, dist, iters, record, backward):
     t, e, d, b, l = cfg["T"], cfg["E"], cfg["D"], cfg["B"], cfg["L"]
     layout, weights, id_sets = fixed_bag_case(rng, cfg, dtype, dist)
     w_bytes = jnp.dtype(dtype).itemsize
@@ -132,8 +132,7 @@ def bench_fixed(rng, cfg, dtype, dist, iters, results, backward):
     row["ms"] = {k: v * 1e3 for k, v in times.items()}
     row["GB_per_s"] = {k: nbytes / v / 1e9 for k, v in times.items()}
     row["speedup_of_jaxrec"] = {k: v / times["jaxrec"] for k, v in times.items() if k != "jaxrec"}
-    results.append(row)
-    print(_line(row), flush=True)
+    record(row)
 
     if backward:
         g_sets = [(w, i, o, jax.random.normal(jax.random.key(k), (b, t * d))) for k, (w, i, o) in enumerate(flat_sets)]
@@ -150,12 +149,11 @@ def bench_fixed(rng, cfg, dtype, dist, iters, results, backward):
                     ms={k: v * 1e3 for k, v in btimes.items()},
                     speedup_of_jaxrec={"xla_scatter_add": btimes["xla_scatter_add"] / btimes["jaxrec"]})
         brow["GB_per_s"] = {k: brow["bytes"] / v / 1e9 for k, v in btimes.items()}
-        results.append(brow)
-        print(_line(brow), flush=True)
+        record(brow)
     del weights, flat_sets, grouped_sets
 
 
-def bench_jagged(rng, name, rows, dims, b, max_len, iters, results):
+def bench_jagged(rng, name, rows, dims, b, max_len, iters, record):
     """Per-table rows and dims, jagged bag lengths U[0, max_len]."""
     t = len(rows)
     layout = TableLayout.from_embedding_specs(list(zip(rows, dims)))
@@ -202,8 +200,7 @@ def bench_jagged(rng, name, rows, dims, b, max_len, iters, results):
                ms={k: v * 1e3 for k, v in times.items()},
                GB_per_s={k: nbytes / v / 1e9 for k, v in times.items()},
                speedup_of_jaxrec={k: v / times["jaxrec"] for k, v in times.items() if k != "jaxrec"})
-    results.append(row)
-    print(_line(row), flush=True)
+    record(row)
 
 
 def copy_ceiling(iters):
@@ -234,34 +231,48 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="small configs only (smoke test)")
+    parser.add_argument("--only", nargs="+", help="configs to run, in this order (default: all)")
     args = parser.parse_args()
     rng = np.random.default_rng(0)
     iters = 20 if args.quick else 50
     results = []
     ceiling = copy_ceiling(iters)
     print(f"device-to-device copy ceiling: {ceiling:.0f} GB/s", flush=True)
-    bench_fixed(rng, dict(name="fbgemm_default", T=32, E=100_000, D=128, B=512, L=20), jnp.float32, "uniform", iters, results, backward=True)
-    if not args.quick:
-        big = dict(name="T32_E1e6_B4096", T=32, E=1_000_000, D=128, B=4096, L=20)
-        bench_fixed(rng, big, jnp.float32, "uniform", iters, results, backward=True)
-        bench_fixed(rng, big, jnp.float32, "zipf", iters, results, backward=False)
-        bench_fixed(rng, big, jnp.bfloat16, "uniform", iters, results, backward=False)
-        bench_fixed(rng, big, jnp.float16, "uniform", iters, results, backward=False)
-        bench_fixed(rng, dict(name="T2_E1e7_D192_B65536", T=2, E=10_000_000, D=192, B=65536, L=32), jnp.float32, "uniform", iters, results, backward=False)
-        bench_jagged(rng, "jagged_T32_E1e6_D128", [1_000_000] * 32, [128] * 32, 4096, 40, iters, results)
-    dims = [(16, 32, 64, 128, 256)[i % 5] for i in range(26)]
-    bench_jagged(rng, "criteo_26_mixed_dims", [min(r, 2_000_000) for r in CRITEO_ROWS], dims, 4096, 40, iters, results)
-
     device = jax.devices()[0]
     info = dict(
         device=device.device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
         torch=torch.__version__ if torch else None, jaxrec_build=jaxrec.build_info(),
-        driver=_nvidia_driver(),
-        copy_ceiling_GB_per_s=ceiling, results=results,
+        driver=_nvidia_driver(), copy_ceiling_GB_per_s=ceiling, results=results,
         method="median of 5 repeats of back-to-back calls after warm-up; requests rotate among 4 "
                "pre-generated id sets; L2 not flushed; jaxrec without bounds check unless named so")
-    with open(args.out, "w") as f:
-        json.dump(info, f, indent=1, default=str)
+
+    def record(row):  # saved after every config, so that a failure keeps what was measured
+        results.append(row)
+        print(_line(row), flush=True)
+        with open(args.out, "w") as f:
+            json.dump(info, f, indent=1, default=str)
+
+    big = dict(name="T32_E1e6_B4096", T=32, E=1_000_000, D=128, B=4096, L=20)
+    huge = dict(name="T2_E1e7_D192_B65536", T=2, E=10_000_000, D=192, B=65536, L=32)
+    mixed_dims = [(16, 32, 64, 128, 256)[i % 5] for i in range(26)]
+    runs = {
+        "fbgemm_default": lambda: bench_fixed(
+            rng, dict(name="fbgemm_default", T=32, E=100_000, D=128, B=512, L=20), jnp.float32,
+            "uniform", iters, record, backward=True),
+        # Dense backward only on the small config: back-to-back 16 GB gradients exhaust the GPU.
+        "large": lambda: bench_fixed(rng, big, jnp.float32, "uniform", iters, record, backward=False),
+        "huge": lambda: bench_fixed(rng, huge, jnp.float32, "uniform", iters, record, backward=False),
+        "jagged": lambda: bench_jagged(rng, "jagged_T32_E1e6_D128", [1_000_000] * 32, [128] * 32,
+                                       4096, 40, iters, record),
+        "criteo": lambda: bench_jagged(rng, "criteo_26_mixed_dims",
+                                       [min(r, 2_000_000) for r in CRITEO_ROWS], mixed_dims, 4096,
+                                       40, iters, record),
+        "zipf": lambda: bench_fixed(rng, big, jnp.float32, "zipf", iters, record, backward=False),
+        "bf16": lambda: bench_fixed(rng, big, jnp.bfloat16, "uniform", iters, record, backward=False),
+        "fp16": lambda: bench_fixed(rng, big, jnp.float16, "uniform", iters, record, backward=False),
+    }
+    for name in args.only or (["fbgemm_default", "criteo"] if args.quick else list(runs)):
+        runs[name]()
     print(f"wrote {args.out}")
 
 
