@@ -77,7 +77,7 @@ def split_numpy(layout, weights):
 
 CASES = list(itertools.product(
     [PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE], [False, True],
-    [jnp.float32, jnp.float16, jnp.bfloat16], [jnp.float32, jnp.bfloat16]))
+    [jnp.float32, jnp.float16, jnp.bfloat16], [jnp.float32, jnp.float16, jnp.bfloat16]))
 
 
 @pytest.mark.parametrize("pooling, weighted, weight_dtype, output_dtype",
@@ -240,7 +240,7 @@ def test_kjt_front_door(platform):
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(offsets=np.arange(4, dtype=np.int32)), ValueError, "not T * B + 1 for the layout's T = 2"),
-    (dict(pooling=7), ValueError, "pooling must be PoolingMode.SUM (0), MEAN (1) or NONE (2)"),
+    (dict(pooling=7), ValueError, "pooling must be PoolingMode.SUM (0), MEAN (1) or NONE (2), or their names"),
     (dict(weights=jnp.zeros(3)), ValueError, "weights must be the flat buffer of 32 elements"),
     (dict(per_sample_weights=np.ones(2, np.float32)), ValueError, "per_sample_weights must be float32[4]"),
     (dict(output_dtype=jnp.int32), TypeError, "output_dtype must be float32, float16 or bfloat16"),

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxrec import _ffi
 from jaxrec.ops.bounds_check import BoundsCheckMode, _as_mode, bounds_check_indices
-from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, _check_weights
+from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, _check_weights, as_pooling_mode
 from jaxrec.ops.tbe_reference import (
     bag_of_position,
     embedding_bag_reference,
@@ -64,7 +64,7 @@ def embedding_bag_lookup(
       indices: ``int32[N]`` / ``int64[N]`` ids; N is a static capacity.
       offsets: ``[T * B + 1]`` bag boundaries, feature-major (FBGEMM's order).
       layout: the tables and the table of each feature.
-      pooling: ``PoolingMode.SUM``, ``MEAN`` or ``NONE``.
+      pooling: ``PoolingMode.SUM``, ``MEAN`` or ``NONE`` (or the name).
       per_sample_weights: optional ``float32[N]`` weight of each id (SUM and MEAN).
       output_dtype: float32, float16 or bfloat16.
       bounds_check_mode: how bad ids and offsets are handled before the lookup
@@ -113,7 +113,7 @@ def embedding_bag_sparse_grad(grad_output, indices, offsets, *, layout: TableLay
     For users who apply their own row-wise update. Ids and offsets must already be
     valid (run ``bounds_check_indices`` first).
     """
-    pooling = PoolingMode(pooling)
+    pooling = as_pooling_mode(pooling)
     grad_output, indices, offsets = (jnp.asarray(x) for x in (grad_output, indices, offsets))
     n = indices.shape[0]
     num_bags = offsets.shape[0] - 1
@@ -275,10 +275,7 @@ def _validate(weights, indices, offsets, layout, pooling, per_sample_weights, ou
     if not isinstance(layout, TableLayout):
         raise TypeError(f"layout must be a jaxrec.ops.TableLayout, got {type(layout).__name__}")
     _check_weights(layout, weights)
-    try:
-        pooling = PoolingMode(pooling)
-    except ValueError:
-        raise ValueError(f"pooling must be PoolingMode.SUM (0), MEAN (1) or NONE (2); got {pooling!r}") from None
+    pooling = as_pooling_mode(pooling)
     output_dtype = jnp.dtype(output_dtype)
     if output_dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
         raise TypeError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")

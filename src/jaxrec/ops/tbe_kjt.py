@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from jaxrec.ops.bounds_check import BoundsCheckMode
 from jaxrec.ops.tbe import embedding_bag_lookup
-from jaxrec.ops.tbe_layout import PoolingMode, TableLayout
+from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode
 from jaxrec.sparse import JaggedTensor, KeyedJaggedTensor, KeyedTensor
 
 
@@ -46,7 +46,7 @@ def embedding_bag_lookup_kjt(
         weights, values, features.offsets().astype(values.dtype), layout=layout, pooling=pooling,
         per_sample_weights=features.weights_or_none(), output_dtype=output_dtype,
         bounds_check_mode=bounds_check_mode, backend=backend)
-    if PoolingMode(pooling) != PoolingMode.NONE:
+    if as_pooling_mode(pooling) != PoolingMode.NONE:
         return KeyedTensor(keys, list(layout.feature_dims), out)
 
     # Move each key's rows to the front of a capacity-sized block, zeros after its last id.

@@ -31,6 +31,17 @@ class PoolingMode(enum.IntEnum):
     NONE = 2  # sequence embeddings: one row per id
 
 
+def as_pooling_mode(pooling) -> PoolingMode:
+    """A PoolingMode from itself, its value or its name (any case)."""
+    if isinstance(pooling, str) and pooling.upper() in PoolingMode.__members__:
+        return PoolingMode[pooling.upper()]
+    try:
+        return PoolingMode(pooling)
+    except ValueError:
+        raise ValueError(f"pooling must be PoolingMode.SUM (0), MEAN (1) or NONE (2), or their "
+                         f"names; got {pooling!r}") from None
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableLayout:
     """Tables in one flat buffer and the table each feature looks up."""
