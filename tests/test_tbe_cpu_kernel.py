@@ -16,7 +16,6 @@ magnitudes; every case here has n <= 140, so ``1e-5 * sum|terms|`` bounds it
 ``2**-11`` / ``2**-8`` relative, plus half the smallest subnormal for float16.
 """
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -39,16 +38,6 @@ def register_targets():
     """jaxrec registers its CPU handlers (jaxrec._ffi.TARGETS) when the library loads."""
     if not _ffi.has_kernel("cpu"):
         pytest.skip("jaxrec was built without its CPU library (see jaxrec.build_info())")
-
-
-@contextlib.contextmanager
-def x64():
-    old = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_x64", old)
 
 
 def packed_layout(tables, feature_table):
@@ -199,18 +188,17 @@ def test_backward(pooling, weighted, dtype):
         assert np.all(gp[:case.offsets[0]] == 0) and np.all(gp[case.offsets[-1]:] == 0)
 
 
-def test_int64_ids():
+def test_int64_ids(x64):
     rng = np.random.default_rng(7)
-    with x64():
-        for pooling, weighted in [(SUM, True), (MEAN, False), (NONE, False)]:
-            case = make_case(rng, pooling, weighted, index_dtype=np.int64)
-            want, mag = case.reference()
-            assert_close(forward(case), want, mag)
-            g = rng.standard_normal(case.out_shape()).astype(np.float32)
-            gw, gp = backward(case, g)
-            want_gw, gw_mag, want_gp, gp_mag = case.reference_grad(g)
-            assert_close(gw, want_gw, gw_mag)
-            assert_close(gp, want_gp, gp_mag)
+    for pooling, weighted in [(SUM, True), (MEAN, False), (NONE, False)]:
+        case = make_case(rng, pooling, weighted, index_dtype=np.int64)
+        want, mag = case.reference()
+        assert_close(forward(case), want, mag)
+        g = rng.standard_normal(case.out_shape()).astype(np.float32)
+        gw, gp = backward(case, g)
+        want_gw, gw_mag, want_gp, gp_mag = case.reference_grad(g)
+        assert_close(gw, want_gw, gw_mag)
+        assert_close(gp, want_gp, gp_mag)
 
 
 def test_large_batch_uses_all_paths():
@@ -288,12 +276,11 @@ def _call_forward(case, out_shape, **overrides):
     (lambda c: dict(weights=c.weights[:-1]), "does not fit in weights"),
     (lambda c: dict(weights=c.weights.astype(np.float64)), "weights must be float32"),
 ])
-def test_forward_rejects_bad_operands(override, message):
+def test_forward_rejects_bad_operands(override, message, x64):
     rng = np.random.default_rng(12)
     case = make_case(rng, SUM, True)
     with pytest.raises(Exception, match=message):
-        with x64():
-            _call_forward(case, case.out_shape(), **override(case))
+        _call_forward(case, case.out_shape(), **override(case))
 
 
 def test_rejects_bad_output_shapes():

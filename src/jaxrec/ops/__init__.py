@@ -6,10 +6,11 @@ from jaxrec.ops.bounds_check import (
     bounds_check_indices,
     bounds_check_indices_reference,
 )
-from jaxrec.ops.tbe import SparseRowGrad, embedding_bag_lookup, embedding_bag_sparse_grad
+from jaxrec.ops.tbe import embedding_bag_lookup
 from jaxrec.ops.tbe_kjt import embedding_bag_lookup_kjt
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, init_weights
 from jaxrec.ops.tbe_reference import embedding_bag_reference
+from jaxrec.ops.tbe_sparse_grad import SparseRowGrad, embedding_bag_sparse_grad
 
 __all__ = [
     "BoundsCheckMode",

@@ -89,7 +89,7 @@ def bounds_check_indices(
       table_names: ``[T]`` name of the table of each feature, for FATAL messages.
       backend: "auto", "kernel" or "reference" (see ``jaxrec._ffi.dispatch``).
     """
-    mode = _as_mode(bounds_check_mode)
+    mode = as_bounds_check_mode(bounds_check_mode)
     indices, offsets, rows = _validate(rows_per_table, indices, offsets)
     if mode == BoundsCheckMode.NONE:
         return BoundsCheckResult(indices, offsets, jnp.zeros((), jnp.int32))
@@ -184,7 +184,8 @@ def bad_index_message(labels, batch_size, bag, position, index, num_rows) -> str
             "to map bad ids to row 0.")
 
 
-def _as_mode(mode) -> BoundsCheckMode:
+def as_bounds_check_mode(mode) -> BoundsCheckMode:
+    """A BoundsCheckMode from itself, its value or its name (any case)."""
     if isinstance(mode, str) and mode.upper() in BoundsCheckMode.__members__:
         return BoundsCheckMode[mode.upper()]
     try:

@@ -1,0 +1,73 @@
+"""Fused optimizers of FBGEMM's set: configs, state and their row-wise math in jnp.
+
+The optimizer is applied row-wise inside the TBE backward ("fused"), to the unique
+rows of a batch only, as FBGEMM's ``EXACT_*`` optimizers do. This package holds
+the configs (:class:`SGD`, :class:`RowWiseAdagrad`, ...), their state
+(:func:`init_state`, flat buffers laid out like the weights), the math written once
+(:func:`update_rows`) and the jnp reference of the fused update
+(:func:`fused_update_reference`), which the kernels are tested against.
+"""
+
+from jaxrec.optim._configs import (
+    ALL_OPTIMIZERS,
+    LAMB,
+    SGD,
+    Adagrad,
+    Adam,
+    LarsSGD,
+    NoOptimizer,
+    OptimizerConfig,
+    OptimizerHyperparams,
+    PartialRowWiseAdam,
+    PartialRowWiseLAMB,
+    RowWiseAdagrad,
+    set_learning_rate,
+)
+from jaxrec.optim._fused import fused_update_reference
+from jaxrec.optim._rowwise import update_rows
+from jaxrec.optim._state import (
+    AdagradState,
+    AdamState,
+    LAMBState,
+    LarsSGDState,
+    NoOptimizerState,
+    PartialRowWiseAdamState,
+    PartialRowWiseLAMBState,
+    RowWiseAdagradState,
+    SGDState,
+    init_state,
+    row_offsets,
+    split_optimizer_states,
+    state_offsets,
+)
+
+__all__ = [
+    "ALL_OPTIMIZERS",
+    "LAMB",
+    "SGD",
+    "Adagrad",
+    "AdagradState",
+    "Adam",
+    "AdamState",
+    "LAMBState",
+    "LarsSGD",
+    "LarsSGDState",
+    "NoOptimizer",
+    "NoOptimizerState",
+    "OptimizerConfig",
+    "OptimizerHyperparams",
+    "PartialRowWiseAdam",
+    "PartialRowWiseAdamState",
+    "PartialRowWiseLAMB",
+    "PartialRowWiseLAMBState",
+    "RowWiseAdagrad",
+    "RowWiseAdagradState",
+    "SGDState",
+    "fused_update_reference",
+    "init_state",
+    "row_offsets",
+    "set_learning_rate",
+    "split_optimizer_states",
+    "state_offsets",
+    "update_rows",
+]

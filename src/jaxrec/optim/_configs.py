@@ -1,0 +1,236 @@
+"""Configs of FBGEMM's fused (``EXACT_*``) optimizers and their traced hyperparameters.
+
+A config is a frozen, keyword-only dataclass: hashable, so it can be static under
+``jit``. Its *static* fields (the optimizer kind, ``gradient_clipping``,
+``weight_decay_mode``, ``state_dtype``) shape the compiled program; its numbers
+(learning rate, betas, ...) are only defaults. The update functions read the
+numbers from an :class:`OptimizerHyperparams` pytree of float32 scalars, so a
+learning-rate schedule under ``jit`` never recompiles::
+
+    config = RowWiseAdagrad(learning_rate=0.05)
+    hparams = config.hyperparams()                      # traced values
+    step = jax.jit(functools.partial(fused_update_reference, layout=layout, config=config))
+    w, s = step(w, s, grad, hparams=set_learning_rate(hparams, schedule(i)))
+
+FBGEMM's defaults (``SplitTableBatchedEmbeddingBagsCodegen``) are kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import ClassVar, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec.optim import _state
+
+WEIGHT_DECAY_MODES = ("none", "l2", "decoupled")
+STATE_DTYPES = ("float32", "bfloat16", "float16")
+
+
+class OptimizerHyperparams(NamedTuple):
+    """The numbers of every optimizer, as float32 scalars (a pytree: pass it as a jit argument).
+
+    One struct for all optimizers, like the scalar arguments of FBGEMM's kernels;
+    a field the optimizer does not use is 0 and ignored.
+    """
+
+    learning_rate: jax.Array
+    eps: jax.Array
+    beta1: jax.Array
+    beta2: jax.Array
+    weight_decay: jax.Array
+    momentum: jax.Array
+    eta: jax.Array
+    max_gradient: jax.Array
+    max_norm: jax.Array
+
+
+def set_learning_rate(hparams: OptimizerHyperparams, learning_rate) -> OptimizerHyperparams:
+    """``hparams`` with a new learning rate (a float or a traced scalar; no recompile)."""
+    if not isinstance(hparams, OptimizerHyperparams):
+        raise TypeError(f"hparams must be an OptimizerHyperparams (config.hyperparams()), "
+                        f"got {type(hparams).__name__}")
+    return hparams._replace(learning_rate=jnp.asarray(learning_rate, jnp.float32))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Base of the fused optimizer configs; not used directly."""
+
+    fbgemm_name: ClassVar[str] = ""
+    """FBGEMM's ``EmbOptimType`` name of the optimizer."""
+    state_type: ClassVar[type] = _state.NoOptimizerState
+    """The optimizer's state NamedTuple (``jaxrec.optim._state``)."""
+
+    def hyperparams(self) -> OptimizerHyperparams:
+        """The config's numbers as traced float32 scalars (0 for fields it does not have)."""
+        return OptimizerHyperparams(*(jnp.asarray(getattr(self, name, 0.0), jnp.float32)
+                                      for name in OptimizerHyperparams._fields))
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in OptimizerHyperparams._fields:
+                object.__setattr__(self, f.name, _as_float(type(self).__name__, f.name, value))
+        if hasattr(self, "state_dtype"):
+            dtype = jnp.dtype(self.state_dtype)
+            if dtype.name not in STATE_DTYPES:
+                raise TypeError(f"{type(self).__name__}.state_dtype must be one of {STATE_DTYPES}, "
+                                f"got {dtype.name}")
+            object.__setattr__(self, "state_dtype", dtype)
+        for name, low, high in (("learning_rate", 0, math.inf), ("eps", 0, math.inf),
+                                ("weight_decay", 0, math.inf), ("max_norm", 0, math.inf),
+                                ("beta1", 0, 1), ("beta2", 0, 1), ("momentum", 0, math.inf),
+                                ("eta", 0, math.inf)):
+            value = getattr(self, name, None)
+            if value is not None and not low <= value < high:
+                raise ValueError(f"{type(self).__name__}.{name} must be in [{low}, {high}), "
+                                 f"got {value}")
+        if getattr(self, "max_gradient", 1.0) <= 0:
+            raise ValueError(f"{type(self).__name__}.max_gradient must be > 0, got {self.max_gradient}")
+
+
+def _as_float(cls: str, name: str, value) -> float:
+    try:
+        value = float(value)
+    except (TypeError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"{cls}.{name} must be a Python number (the default); pass traced "
+                        f"values through config.hyperparams() / set_learning_rate(), got "
+                        f"{type(value).__name__}") from None
+    if not np.isfinite(value):
+        raise ValueError(f"{cls}.{name} must be finite, got {value}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Common(OptimizerConfig):
+    learning_rate: float = 0.01
+    """Step size (FBGEMM's default 0.01)."""
+    gradient_clipping: bool = False
+    """Clip each element of a row's summed gradient to ``[-max_gradient, max_gradient]`` (static)."""
+    max_gradient: float = 1.0
+    """The clipping bound when ``gradient_clipping`` is on."""
+    max_norm: float = 0.0
+    """After the update, rescale a row whose L2 norm exceeds ``max_norm`` to that norm; 0 = off.
+    (FBGEMM implements it for rowwise Adagrad only; jaxrec applies it to every optimizer.)"""
+    state_dtype: jnp.dtype = jnp.float32
+    """dtype of the optimizer state buffers: float32 (default), bfloat16 or float16. The
+    math runs in float32 and the state is rounded when stored, as in FBGEMM."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGD(_Common):
+    """EXACT_SGD: ``w -= lr * g``. No state beyond the step counter."""
+
+    fbgemm_name: ClassVar[str] = "EXACT_SGD"
+    state_type: ClassVar[type] = _state.SGDState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Adagrad(_Common):
+    """EXACT_ADAGRAD: ``m += g²; w -= lr * g / (sqrt(m) + eps)`` element-wise, ``m`` starting at 0.
+
+    Not optax's ``adagrad``: optax starts ``m`` at ``initial_accumulator_value=0.1`` and puts
+    ``eps`` inside the square root (``g / sqrt(m + eps)``, and 0 where ``m == 0``).
+    """
+
+    fbgemm_name: ClassVar[str] = "EXACT_ADAGRAD"
+    state_type: ClassVar[type] = _state.AdagradState
+    eps: float = 1e-8
+    """Added to ``sqrt(m)`` (outside the square root)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowWiseAdagrad(_Common):
+    """EXACT_ROWWISE_ADAGRAD: one accumulator per row (see ``update_rows`` for the formula)."""
+
+    fbgemm_name: ClassVar[str] = "EXACT_ROWWISE_ADAGRAD"
+    state_type: ClassVar[type] = _state.RowWiseAdagradState
+    eps: float = 1e-8
+    """Added to ``sqrt(m)`` (outside the square root)."""
+    weight_decay: float = 0.0
+    """Weight decay strength; how it applies is ``weight_decay_mode``."""
+    weight_decay_mode: str = "none"
+    """"none"; "l2" (``g += weight_decay * w`` before the update, FBGEMM's L2 = 1);
+    "decoupled" (``w -= lr * weight_decay * w``, FBGEMM's DECOUPLED = 2). Static."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
+            raise ValueError(f"RowWiseAdagrad.weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, "
+                             f"got {self.weight_decay_mode!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _AdamLike(_Common):
+    beta1: float = 0.9
+    """Decay of the first moment ``exp_avg``."""
+    beta2: float = 0.999
+    """Decay of the second moment ``exp_avg_sq``."""
+    eps: float = 1e-8
+    """Added to ``sqrt(v̂)`` (outside the square root)."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay, scaled by the learning rate (``+ weight_decay * w`` in the step)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Adam(_AdamLike):
+    """ADAM: bias-corrected Adam with decoupled weight decay (= ``optax.adamw``)."""
+
+    fbgemm_name: ClassVar[str] = "ADAM"
+    state_type: ClassVar[type] = _state.AdamState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PartialRowWiseAdam(_AdamLike):
+    """PARTIAL_ROWWISE_ADAM: Adam with one second moment per row (``mean_D(g²)``)."""
+
+    fbgemm_name: ClassVar[str] = "PARTIAL_ROWWISE_ADAM"
+    state_type: ClassVar[type] = _state.PartialRowWiseAdamState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LAMB(_AdamLike):
+    """LAMB: Adam's step scaled by the row's trust ratio ``‖w‖ / ‖r‖``."""
+
+    fbgemm_name: ClassVar[str] = "LAMB"
+    state_type: ClassVar[type] = _state.LAMBState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PartialRowWiseLAMB(_AdamLike):
+    """PARTIAL_ROWWISE_LAMB: LAMB with one second moment per row (``mean_D(g²)``)."""
+
+    fbgemm_name: ClassVar[str] = "PARTIAL_ROWWISE_LAMB"
+    state_type: ClassVar[type] = _state.PartialRowWiseLAMBState
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LarsSGD(_Common):
+    """LARS_SGD: SGD with momentum and a per-row learning rate from the layer-wise trust ratio."""
+
+    fbgemm_name: ClassVar[str] = "LARS_SGD"
+    state_type: ClassVar[type] = _state.LarsSGDState
+    eta: float = 0.001
+    """Trust coefficient (optax's ``trust_coefficient``)."""
+    momentum: float = 0.9
+    """Momentum of ``momentum_buffer``."""
+    weight_decay: float = 0.0
+    """Weight decay, added to the gradient and to the trust-ratio denominator."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class NoOptimizer(OptimizerConfig):
+    """NONE: no fused update; the backward hands out the table gradient (for optax)."""
+
+    fbgemm_name: ClassVar[str] = "NONE"
+    state_type: ClassVar[type] = _state.NoOptimizerState
+
+
+ALL_OPTIMIZERS = (SGD, Adagrad, RowWiseAdagrad, Adam, PartialRowWiseAdam, LAMB,
+                  PartialRowWiseLAMB, LarsSGD, NoOptimizer)
+"""Every config class, in FBGEMM's order; tests and docs iterate over it."""
