@@ -154,9 +154,10 @@ def test_check_grads_of_the_kernel_path(platform):
     check_grads(f, (weights, jnp.asarray(psw)), order=1, modes=["rev"], atol=2e-2, rtol=2e-2)
 
 
-def test_sparse_grad_equals_dense_grad():
+def check_sparse_grad_equals_dense_grad(index_dtype):
     rng = np.random.default_rng(12)
     layout, indices, offsets, psw = random_case(rng, weighted=True, pooling=PoolingMode.MEAN)
+    indices, offsets = indices.astype(index_dtype), offsets.astype(index_dtype)
     weights = init_weights(jax.random.key(6), layout)
     g = rng.normal(size=(5, layout.total_dim)).astype(np.float32)
     sparse = jax.jit(lambda g: embedding_bag_sparse_grad(
@@ -167,6 +168,14 @@ def test_sparse_grad_equals_dense_grad():
     keys = set(zip(np.asarray(sparse.tables).tolist(), np.asarray(sparse.rows).tolist()))
     keys.discard((-1, 0))
     assert len(keys) == int(sparse.num_unique)  # each touched row exactly once
+
+
+def test_sparse_grad_equals_dense_grad():
+    check_sparse_grad_equals_dense_grad(np.int32)
+
+
+def test_sparse_grad_int64_ids(x64):
+    check_sparse_grad_equals_dense_grad(np.int64)
 
 
 def test_fbgemm_documented_example(platform):

@@ -3,8 +3,8 @@
 The build installs ``_lib/libjaxrec_cpu.so`` (always), ``_lib/libjaxrec_cuda.so``
 (when CUDA was found) and ``_lib/build_info.json``. Each op has one target name,
 registered for the ``cpu`` platform with the CPU handler and for ``CUDA`` with the
-CUDA handler, so one ``jax.ffi.ffi_call`` serves both; :func:`dispatch` falls back
-to the op's pure-``jnp`` reference on a platform that has no handler.
+CUDA handler (``TARGETS``); :func:`dispatch` lowers the kernel of the platform being
+compiled for, or the op's pure-``jnp`` reference on a platform that has no handler.
 
 Libraries load lazily, on the first op that needs them, so ``import jaxrec``
 works even when a library is missing or was built for another jaxlib.

@@ -7,6 +7,8 @@ from jaxrec's code: per row, in float64, one dict entry per (table, row).
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 import jax
@@ -32,16 +34,22 @@ def make(cls, **overrides):
     return cls(**{**{k: v for k, v in HP.items() if k in names}, **overrides})
 
 
-def random_batch(rng, layout=LAYOUT, batch_size=BATCH, id_range=6, pad=5):
+CAPACITY = 128  # static length of indices: one compile of the sparse gradient
+
+
+def random_batch(rng, layout=LAYOUT, batch_size=BATCH, id_range=6):
     """indices, offsets and grad_output of a SUM-pooled batch with many duplicate ids.
 
     Ids come from ``[0, id_range)`` of each table, so most rows are touched several
-    times and the others not at all; ``pad`` positions past the last offset are ignored.
+    times and the others not at all; positions past the last offset (up to CAPACITY)
+    are padding, which must be ignored.
     """
     lengths = rng.integers(0, 7, size=layout.num_features * batch_size)
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
     ids = [rng.integers(0, min(id_range, layout.feature_rows[k // batch_size]), n)
            for k, n in enumerate(lengths)]
+    pad = CAPACITY - offsets[-1]
+    assert pad > 0
     indices = np.concatenate(ids + [rng.integers(0, 3, pad)]).astype(np.int32)
     grad_output = rng.normal(size=(batch_size, layout.total_dim)).astype(np.float32)
     return indices, offsets, grad_output
@@ -49,8 +57,12 @@ def random_batch(rng, layout=LAYOUT, batch_size=BATCH, id_range=6, pad=5):
 
 def sparse_grad(batch, layout=LAYOUT):
     indices, offsets, grad_output = batch
-    return embedding_bag_sparse_grad(jnp.asarray(grad_output), jnp.asarray(indices),
-                                     jnp.asarray(offsets), layout=layout)
+    return _sparse_grad(layout)(jnp.asarray(grad_output), jnp.asarray(indices), jnp.asarray(offsets))
+
+
+@functools.cache
+def _sparse_grad(layout):
+    return jax.jit(functools.partial(embedding_bag_sparse_grad, layout=layout))
 
 
 def merged_grads(batch, layout=LAYOUT) -> dict[tuple[int, int], np.ndarray]:

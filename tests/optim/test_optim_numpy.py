@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrec import optim
+from jaxrec.ops import SparseRowGrad
 from optim_testing import (
     LAYOUT,
     from_jax,
@@ -23,15 +24,18 @@ from optim_testing import (
     random_batch,
     random_tables,
     reference_step,
+    _reference_row,
     sparse_grad,
     to_jax,
 )
 
-# Relative error of one rounding in the state dtype; the tolerance of a result is a
-# small multiple of it per step, times the size of what that dtype rounds.
+# Tolerance = K[state dtype] * steps * (eps of the state dtype) * (size of what it rounds):
+# the state's own magnitude, and for the weights the distance they moved (plus float32
+# rounding of the weights). Measured worst cases: 3.6 (float32: exp_avg_sq squares the
+# float32-summed gradient) and 0.45 (bfloat16); K leaves a margin of 2-4x.
 ULP = {jnp.float32: float(jnp.finfo(jnp.float32).eps), jnp.bfloat16: float(jnp.finfo(jnp.bfloat16).eps)}
+K = {jnp.float32: 8, jnp.bfloat16: 2}
 STEPS = 3
-K = 8
 
 CASES = {
     "sgd": make(optim.SGD),
@@ -44,12 +48,9 @@ CASES = {
     "lamb": make(optim.LAMB),
     "partial_rowwise_lamb": make(optim.PartialRowWiseLAMB),
     "lars_sgd": make(optim.LarsSGD),
-    "sgd_clip": make(optim.SGD, gradient_clipping=True, max_gradient=0.7),
     "rowwise_adagrad_l2_clip": make(optim.RowWiseAdagrad, weight_decay_mode="l2",
                                     gradient_clipping=True, max_gradient=0.7),
-    "adam_clip": make(optim.Adam, gradient_clipping=True, max_gradient=0.7),
     "lars_sgd_clip": make(optim.LarsSGD, gradient_clipping=True, max_gradient=0.7),
-    "sgd_max_norm": make(optim.SGD, max_norm=1.0),
     "rowwise_adagrad_decoupled_max_norm": make(optim.RowWiseAdagrad, weight_decay_mode="decoupled",
                                                max_norm=1.0),
     "partial_rowwise_lamb_max_norm": make(optim.PartialRowWiseLAMB, max_norm=1.0),
@@ -57,14 +58,14 @@ CASES = {
 
 
 def _assert_close(got_w, want_w, got_s, want_s, start_w, state_dtype, steps, what):
-    ulp = ULP[state_dtype]
+    ulp, k = ULP[state_dtype], K[state_dtype]
     for t, (gw, ww, w0) in enumerate(zip(got_w, want_w, start_w)):
         moved = np.max(np.abs(ww - w0))
-        atol = K * steps * (ulp * moved + ULP[jnp.float32] * np.max(np.abs(ww)))
+        atol = k * steps * (ulp * moved + ULP[jnp.float32] * np.max(np.abs(ww)))
         np.testing.assert_allclose(gw, ww, rtol=0, atol=atol, err_msg=f"{what}: weights of table {t}")
     for t, (gs, ws) in enumerate(zip(got_s, want_s)):
         for name in ws:
-            atol = K * steps * ulp * np.max(np.abs(ws[name]))
+            atol = k * steps * ulp * np.max(np.abs(ws[name]))
             np.testing.assert_allclose(gs[name], ws[name], rtol=0, atol=atol,
                                        err_msg=f"{what}: state {name} of table {t}")
 
@@ -117,8 +118,7 @@ def test_matches_float64_reference(case):
         assert clipped > 0, "no gradient exceeded max_gradient: the test would not see clipping"
 
 
-@pytest.mark.parametrize("case", ["adagrad", "rowwise_adagrad_l2", "adam", "partial_rowwise_lamb",
-                                  "lars_sgd"])
+@pytest.mark.parametrize("case", ["rowwise_adagrad_l2", "adam", "partial_rowwise_lamb"])
 def test_bfloat16_state(case):
     config = dataclasses.replace(CASES[case], state_dtype=jnp.bfloat16)
     state = optim.init_state(config, LAYOUT)
@@ -154,15 +154,13 @@ def test_update_rows_leaves_columns_past_dim_alone():
     m = rng.normal(0, 0.1, size=(n, width)).astype(np.float32)
     v = np.abs(rng.normal(0, 0.1, size=n)).astype(np.float32)
     state = optim.PartialRowWiseLAMBState(step=jnp.int32(2), exp_avg=m, exp_avg_sq=v)
-    new_w, new_s = optim.update_rows(config, config.hyperparams(), w, g, state, dims=dims)
+    new_w, new_s = update_rows(config, config.hyperparams(), w, g, state, dims=dims)
     for i, d in enumerate(dims):
-        one = optim.PartialRowWiseLAMBState(step=jnp.int32(2), exp_avg=m[i:i + 1, :d],
-                                            exp_avg_sq=v[i:i + 1])
-        want_w, want_s = optim.update_rows(config, config.hyperparams(), w[i:i + 1, :d],
-                                           g[i:i + 1, :d], one)
-        np.testing.assert_allclose(new_w[i, :d], want_w[0], rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(new_s.exp_avg[i, :d], want_s.exp_avg[0], rtol=1e-6, atol=1e-7)
-        np.testing.assert_allclose(new_s.exp_avg_sq[i], want_s.exp_avg_sq[0], rtol=1e-6)
+        s = {"exp_avg": m[i, :d].astype(np.float64), "exp_avg_sq": np.float64(v[i])}
+        want_w, want_s = reference_row(config, w[i, :d], g[i, :d], s, t=3)
+        np.testing.assert_allclose(new_w[i, :d], want_w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(new_s.exp_avg[i, :d], want_s["exp_avg"], rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(new_s.exp_avg_sq[i], want_s["exp_avg_sq"], rtol=1e-5)
         np.testing.assert_array_equal(new_w[i, d:], w[i, d:])
         np.testing.assert_array_equal(new_s.exp_avg[i, d:], m[i, d:])
         assert not np.allclose(new_w[i, :d], w[i, :d])
@@ -177,8 +175,8 @@ def test_lamb_zero_row_uses_ratio_one():
     w = np.stack([np.zeros(4, np.float32), rng.normal(size=4).astype(np.float32)])
     zeros = np.zeros((2, 4), np.float32)
     state = optim.LAMBState(step=jnp.int32(0), exp_avg=zeros, exp_avg_sq=zeros)
-    new_w, _ = optim.update_rows(config, config.hyperparams(), w, g, state)
-    want = [reference_row(config, w[i], g[i]) for i in range(2)]
+    new_w, _ = update_rows(config, config.hyperparams(), w, g, state)
+    want = [reference_row(config, w[i], g[i])[0] for i in range(2)]
     np.testing.assert_allclose(new_w, np.stack(want), rtol=1e-5, atol=1e-7)
     assert np.all(new_w[0] != 0)
 
@@ -190,17 +188,48 @@ def test_lars_zero_row_and_zero_gradient_stay_finite():
     g = np.stack([rng.normal(size=4), np.zeros(4), rng.normal(size=4)]).astype(np.float32)
     mom = rng.normal(0, 0.1, size=(3, 4)).astype(np.float32)
     state = optim.LarsSGDState(step=jnp.int32(0), momentum_buffer=mom)
-    new_w, new_s = optim.update_rows(config, config.hyperparams(), w, g, state)
+    new_w, new_s = update_rows(config, config.hyperparams(), w, g, state)
     assert np.all(np.isfinite(new_w)) and np.all(np.isfinite(new_s.momentum_buffer))
     # lr_local = 0 on both guarded rows: the momentum only decays.
     np.testing.assert_allclose(new_s.momentum_buffer[:2], 0.7 * mom[:2], rtol=1e-6)
     np.testing.assert_allclose(new_w[:2], w[:2] - 0.7 * mom[:2], rtol=1e-6, atol=1e-7)
-    want = reference_row(config, w[2], g[2], {"momentum_buffer": mom[2].astype(np.float64)})
+    want, _ = reference_row(config, w[2], g[2], {"momentum_buffer": mom[2].astype(np.float64)})
     np.testing.assert_allclose(new_w[2], want, rtol=1e-5, atol=1e-7)
 
 
-def reference_row(config, w, g, state=None):
-    from optim_testing import _reference_row
+update_rows = jax.jit(optim.update_rows, static_argnums=0)
 
+
+def reference_row(config, w, g, state=None, t=1):
+    """(weights, state) of one row after one float64 step."""
     s = state or {n: np.zeros(w.shape) for n in config.state_type._fields[1:]}
-    return _reference_row(config, w.astype(np.float64), g.astype(np.float64), s, 1)[0]
+    w, s, _ = _reference_row(config, w.astype(np.float64), g.astype(np.float64), s, t)
+    return w, s
+
+
+def test_under_x64_with_padding_entries(x64):
+    """int64 offsets when jax_enable_x64 is on; entries past num_unique are ignored.
+
+    The SparseRowGrad is built on the host here, with junk in its padding entries
+    (a valid table id, a row, non-zero gradients) that must not be applied.
+    """
+    config = CASES["partial_rowwise_adam"]
+    rng = np.random.default_rng(13)
+    weights, state = to_jax(config, *random_tables(config, rng), step=2)
+    want_w, want_s = from_jax(config, weights, state)
+    grads = merged_grads(random_batch(rng))
+    keys = list(grads)
+    n, width = len(keys) + 3, max(LAYOUT.dims)
+    tables = np.array([t for t, _ in keys] + [0, -1, 0], np.int64)
+    rows = np.array([r for _, r in keys] + [7, 2, 20], np.int64)
+    g = rng.normal(size=(n, width)).astype(np.float32)
+    for i, key in enumerate(keys):
+        g[i, :grads[key].size] = grads[key]
+    grad = SparseRowGrad(jnp.asarray(tables), jnp.asarray(rows), jnp.asarray(g), jnp.int32(len(keys)))
+    before_w, before_s = want_w, want_s
+    weights, state = jitted_update(config)(weights, state, grad, config.hyperparams())
+    want_w, want_s = [w.copy() for w in before_w], [{k: v.copy() for k, v in s.items()} for s in before_s]
+    reference_step(config, want_w, want_s, grads, 2)
+    got_w, got_s = from_jax(config, weights, state)
+    _assert_close(got_w, want_w, got_s, want_s, before_w, jnp.float32, 1, "x64")
+    _assert_untouched(grads, before_w, before_s, got_w, got_s)

@@ -64,10 +64,10 @@ def embedding_bag_sparse_grad(grad_output, indices, offsets, *, layout: TableLay
     else:
         col0 = jnp.asarray(layout.output_offsets[:-1], jnp.int32)[feature]
         sample = jnp.clip(bag % max(batch_size, 1), 0, max(batch_size - 1, 0))
-        cols = jnp.minimum(col0[:, None] + jnp.arange(max_dim), layout.total_dim - 1)
+        cols = jnp.minimum(col0[:, None] + jnp.arange(max_dim, dtype=jnp.int32), layout.total_dim - 1)
         g = grad_output.astype(jnp.float32)[sample[:, None], cols] if batch_size else jnp.zeros((n, max_dim))
     dim = jnp.asarray(layout.dims, jnp.int32)[table]
-    g = jnp.where(jnp.arange(g.shape[1]) < dim[:, None], g, 0.0)
+    g = jnp.where(jnp.arange(g.shape[1], dtype=jnp.int32) < dim[:, None], g, 0.0)
     contrib = g[:, :max_dim] * scale[:, None]
 
     key = row_keys(layout, indices, offsets)
@@ -79,8 +79,9 @@ def embedding_bag_sparse_grad(grad_output, indices, offsets, *, layout: TableLay
     num_unique = jnp.sum(is_new, dtype=jnp.int32)
     segment = jnp.where(sorted_key != sentinel, segment, n)
     grads = jax.ops.segment_sum(contrib[order], segment, num_segments=n + 1)[:n]
-    first = jax.ops.segment_min(jnp.arange(n), segment, num_segments=n + 1)[:n]
-    has = jnp.arange(n) < num_unique
+    position = jnp.arange(n, dtype=jnp.int32)
+    first = jax.ops.segment_min(position, segment, num_segments=n + 1)[:n]
+    has = position < num_unique
     first = jnp.where(has, first, 0)
     tables_out = jnp.where(has, table[order][first], -1)
     rows_out = jnp.where(has, indices[order][first], 0)

@@ -3,7 +3,9 @@
 The oracle of the fused CUDA/C++ kernels and their portable fallback. Only the rows
 named in the ``SparseRowGrad`` are read and written (each exactly once: duplicates
 were merged by ``embedding_bag_sparse_grad``); every other weight and state value
-stays bit-identical. ``step`` advances once per call, for all tables::
+stays bit-identical. ``step`` advances once per call, for all tables. As in FBGEMM the
+update is lazy: a row outside the batch keeps its moments (no decay) and gets no weight
+decay, where a dense optax step would touch every row::
 
     # sparse_grad: tables=[0, 1, 0, -1], rows=[3, 0, 1, 0], num_unique=3  (entry 3 is padding)
     # weights  [t0 r0 | t0 r1 | t0 r2 | t0 r3 | t1 r0 | t1 r1 | t1 r2]
@@ -65,7 +67,8 @@ def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad
         raise ValueError(f"the tables have {layout.num_weights} weights, too many for "
                          f"{np.dtype(index_dtype).name} offsets; enable jax_enable_x64")
 
-    valid = (jnp.arange(n) < sparse_grad.num_unique) & (sparse_grad.tables >= 0)
+    num_unique = jnp.asarray(sparse_grad.num_unique).astype(index_dtype)
+    valid = (jnp.arange(n, dtype=index_dtype) < num_unique) & (sparse_grad.tables >= 0)
     table = jnp.where(valid, sparse_grad.tables, 0).astype(index_dtype)
     row = jnp.where(valid, sparse_grad.rows, 0).astype(index_dtype)
     dims = jnp.asarray(layout.dims, index_dtype)[table]

@@ -118,7 +118,7 @@ def _lamb(c, h, w, g, s, t, d, mask):
         w -= lr * (‖w‖ / ‖r‖) * r        (ratio 1 when ‖w‖ or ‖r‖ is 0)
 
     FBGEMM does not guard the ratio: there ``‖w‖ = 0`` gives ratio 0 (a zero row never
-    moves) and ``‖r‖ = 0`` gives NaN. jaxrec uses 1 in both cases, as optax and the paper.
+    moves) and ``‖r‖ = 0`` gives NaN. jaxrec uses 1 in both cases, as optax.lamb does.
     """
     direction, new = _moments(h, g, s, t, d, row_wise_v=False)
     return _lamb_step(h, w, direction, mask), new
@@ -201,7 +201,7 @@ def update_rows(config: C.OptimizerConfig, hparams: C.OptimizerHyperparams, weig
         d = jnp.full((n,), width, _F32)
     else:
         dims = jnp.asarray(dims)
-        mask = jnp.arange(width) < dims[:, None]
+        mask = jnp.arange(width, dtype=dims.dtype) < dims[:, None]
         d = jnp.maximum(dims, 1).astype(_F32)
     w = jnp.where(mask, weights.astype(_F32), 0.0)
     g = jnp.where(mask, grads.astype(_F32), 0.0)
