@@ -1,0 +1,52 @@
+"""Data for recommendation models: real formats and a synthetic click log -> KJT batches.
+
+- ``CriteoReader``: Criteo Kaggle / Terabyte TSV files, streamed in chunks.
+- ``MovieLensReader``, ``load_movielens_ratings``, ``movielens_100k_split``: MovieLens
+  ratings (ML-100K ``u.data`` and splits, ML-1M/10M ``ratings.dat``, ``ratings.csv``).
+- ``SyntheticClickLog``: Zipf ids over Criteo-like tables, jagged bags, labels from a
+  hidden teacher model (``teacher_auc()`` is the ceiling), deterministic per seed.
+- ``Batch``: ``(dense, sparse, labels, mask)``, a pytree of static shapes.
+- ``Prefetcher``: prepares batches ahead on a background thread (with ``jax.device_put``).
+"""
+
+from jaxrec.data._batch import Batch
+from jaxrec.data._batch import DataFormatError
+from jaxrec.data._criteo import CRITEO_DENSE_KEYS
+from jaxrec.data._criteo import CRITEO_KAGGLE_CARDINALITIES
+from jaxrec.data._criteo import CRITEO_SPARSE_KEYS
+from jaxrec.data._criteo import CriteoReader
+from jaxrec.data._criteo import dense_log1p
+from jaxrec.data._criteo import dense_log_plus3
+from jaxrec.data._movielens import MOVIELENS_100K_SPLITS
+from jaxrec.data._movielens import MOVIELENS_KEYS
+from jaxrec.data._movielens import MovieLensRatings
+from jaxrec.data._movielens import MovieLensReader
+from jaxrec.data._movielens import load_movielens_ratings
+from jaxrec.data._movielens import movielens_100k_split
+from jaxrec.data._prefetch import Prefetcher
+from jaxrec.data._synthetic import BagLengths
+from jaxrec.data._synthetic import SyntheticClickLog
+from jaxrec.data._synthetic import SyntheticSample
+from jaxrec.data._synthetic import roc_auc
+
+__all__ = [
+    "CRITEO_DENSE_KEYS",
+    "CRITEO_KAGGLE_CARDINALITIES",
+    "CRITEO_SPARSE_KEYS",
+    "MOVIELENS_100K_SPLITS",
+    "MOVIELENS_KEYS",
+    "BagLengths",
+    "Batch",
+    "CriteoReader",
+    "DataFormatError",
+    "MovieLensRatings",
+    "MovieLensReader",
+    "Prefetcher",
+    "SyntheticClickLog",
+    "SyntheticSample",
+    "dense_log1p",
+    "dense_log_plus3",
+    "load_movielens_ratings",
+    "movielens_100k_split",
+    "roc_auc",
+]

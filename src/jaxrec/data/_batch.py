@@ -1,0 +1,196 @@
+"""``Batch``: one step of training data (dense features, a KJT of ids, labels, a row mask).
+
+Every reader in ``jaxrec.data`` yields ``Batch`` es of one static shape, so that a jitted
+step compiles once::
+
+    # batch_size B = 3, keys ["C1", "C2"], one id per bag, row 2 is padding (mask 0)
+    #              0      1      2  <-- batch
+    # "C1"        [7]    [0]    []
+    # "C2"        [3]    [5]    []
+    # sparse.lengths = [1, 1, 0, 1, 1, 0]; sparse.values = [7, 0, 3, 5, <pad>, <pad>]
+    # dense  = float32[3, num_dense]  (row 2 zeros)
+    # labels = float32[3]             (row 2 zero)
+    # mask   = float32[3] = [1, 1, 0]
+
+``Batch`` is a ``NamedTuple`` of arrays and a ``KeyedJaggedTensor``, hence a pytree: it goes
+through ``jax.jit``, ``jax.device_put`` and ``jax.tree.map`` as it is. The mask is always
+there (all ones in a full batch) so that a padded last batch has the same pytree structure
+and shapes as the others: weight the per-example loss with it, e.g.
+``(loss * batch.mask).sum() / batch.mask.sum()``.
+
+The helpers below are shared by the readers: ``rebatch`` cuts a stream of host chunks into
+fixed-size batches (dropping or padding the last one), ``make_batch`` builds a ``Batch`` from
+host arrays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from typing import NamedTuple
+
+import jax
+import numpy as np
+
+from jaxrec.sparse import KeyedJaggedTensor
+
+LAST_BATCH_POLICIES = ("pad", "drop")
+
+
+class DataFormatError(ValueError):
+    """A data file that does not follow its format; the message names the file and line."""
+
+
+class Batch(NamedTuple):
+    """One batch: ``dense`` float32[B, num_dense], ``sparse`` (KJT, stride B), ``labels``
+    float32[B] and ``mask`` float32[B] (1 for a real row, 0 for padding)."""
+
+    dense: jax.Array
+    sparse: KeyedJaggedTensor
+    labels: jax.Array
+    mask: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        """B, the static number of rows (padding rows included)."""
+        return self.labels.shape[0]
+
+
+def check_batch_size(value: object, name: str = "batch_size") -> int:
+    """A positive Python int (``name`` is the argument, for the message)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive int, got {value!r}.")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {name}={value}.")
+    return int(value)
+
+
+def check_last_batch(last_batch: object) -> str:
+    if last_batch not in LAST_BATCH_POLICIES:
+        raise ValueError(
+            f"last_batch must be one of {LAST_BATCH_POLICIES}, got {last_batch!r}: 'pad' "
+            "keeps every row (padding rows have mask 0), 'drop' drops a partial last batch."
+        )
+    return str(last_batch)
+
+
+def check_table_sizes(
+    num_embeddings_per_feature: int | Sequence[int], num_features: int, name: str
+) -> tuple[int, ...]:
+    """One int, or one int per feature; every size >= 1. Returns one size per feature."""
+    sizes = num_embeddings_per_feature
+    if isinstance(sizes, (int, np.integer)) and not isinstance(sizes, bool):
+        sizes = [sizes] * num_features
+    try:
+        sizes = [s for s in sizes]
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an int or a list of {num_features} ints, got {sizes!r}."
+        ) from None
+    if len(sizes) != num_features:
+        raise ValueError(
+            f"{name} must hold one table size per feature ({num_features}), got "
+            f"{len(sizes)}: {list(sizes)}; or pass one int for all features."
+        )
+    for i, s in enumerate(sizes):
+        if isinstance(s, bool) or not isinstance(s, (int, np.integer)) or s < 1:
+            raise ValueError(f"{name}[{i}] must be an int >= 1, got {s!r}.")
+        if s > np.iinfo(np.int32).max:
+            raise ValueError(
+                f"{name}[{i}]={s} does not fit the int32 ids of a KeyedJaggedTensor; use "
+                f"at most {np.iinfo(np.int32).max} rows."
+            )
+    return tuple(int(s) for s in sizes)
+
+
+def rebatch(
+    chunks: Iterable[tuple[np.ndarray, ...]], batch_size: int, last_batch: str
+) -> Iterator[tuple[tuple[np.ndarray, ...], int]]:
+    """Cuts chunks of rows (tuples of arrays with one leading row axis) into batches.
+
+    Yields ``(arrays, num_valid)``: every array has ``batch_size`` rows; a partial last
+    batch is padded with zeros (``num_valid < batch_size``) or dropped, per ``last_batch``.
+    Chunks may be of any size; rows keep their order.
+    """
+    pending: list[tuple[np.ndarray, ...]] = []
+    num_pending = 0
+    for chunk in chunks:
+        n = chunk[0].shape[0]
+        if n == 0:
+            continue
+        pending.append(chunk)
+        num_pending += n
+        if num_pending < batch_size:
+            continue
+        merged = _concat(pending)
+        start = 0
+        while num_pending - start >= batch_size:
+            yield tuple(a[start : start + batch_size] for a in merged), batch_size
+            start += batch_size
+        rest = tuple(a[start:] for a in merged)
+        pending, num_pending = ([rest], num_pending - start) if num_pending > start else ([], 0)
+    if num_pending and last_batch == "pad":
+        merged = _concat(pending)
+        padded = tuple(
+            np.concatenate([a, np.zeros((batch_size - num_pending,) + a.shape[1:], a.dtype)])
+            for a in merged
+        )
+        yield padded, num_pending
+
+
+def _concat(parts: list[tuple[np.ndarray, ...]]) -> tuple[np.ndarray, ...]:
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(np.concatenate(cols) for cols in zip(*parts))
+
+
+def make_batch(
+    keys: Sequence[str],
+    values: np.ndarray,
+    lengths: np.ndarray,
+    dense: np.ndarray,
+    labels: np.ndarray,
+    num_valid: int,
+    capacity: int,
+) -> Batch:
+    """A ``Batch`` from host arrays.
+
+    ``lengths``: int [num_keys, B] (key-major, padding rows 0); ``values``: the ids, key-major
+    (all bags of key 0, then key 1, ...); ``dense`` [B, D]; ``labels`` [B]; the first
+    ``num_valid`` rows are real. ``capacity`` is the static size of the KJT's values.
+    """
+    batch_size = labels.shape[0]
+    mask = np.zeros((batch_size,), np.float32)
+    mask[:num_valid] = 1.0
+    sparse = KeyedJaggedTensor.from_lengths_sync(
+        list(keys),
+        np.asarray(values, np.int32),
+        np.asarray(lengths, np.int32).reshape(-1),
+        stride=batch_size,
+        capacity=capacity,
+    )
+    return Batch(
+        dense=jax.numpy.asarray(np.asarray(dense, np.float32)),
+        sparse=sparse,
+        labels=jax.numpy.asarray(np.asarray(labels, np.float32)),
+        mask=jax.numpy.asarray(mask),
+    )
+
+
+def batch_from_ids(
+    keys: Sequence[str],
+    ids: np.ndarray,
+    dense: np.ndarray,
+    labels: np.ndarray,
+    num_valid: int,
+) -> Batch:
+    """A ``Batch`` with at most one id per (row, key): ``ids`` int [B, num_keys], -1 = no id
+    (an empty bag). Rows past ``num_valid`` are padding (empty bags). Capacity B * num_keys."""
+    batch_size, num_keys = ids.shape
+    present = ids >= 0
+    present[num_valid:] = False
+    present_t = present.T
+    values = ids.T[present_t]  # key-major
+    return make_batch(
+        keys, values, present_t.astype(np.int32), dense, labels, num_valid,
+        capacity=batch_size * num_keys,
+    )

@@ -1,0 +1,294 @@
+"""Criteo display-advertising logs (Kaggle ``train.txt``, Terabyte ``day_N``), streamed.
+
+Format: one example per line, 40 TAB-separated fields; the last line may lack its newline::
+
+    label  I1 .. I13 (integers)        C1 .. C26 (hashed categories, 8 hex digits)
+    0\\t\\t0\\t5\\t-1\\t...\\t4\\t05db9164\\tf0cf0024\\t...\\t\\t32c7478e\\t...
+    ^  ^ I1 is empty (missing)              C-fields may be empty too
+
+Decisions, as in the reference DLRM / TorchRec preprocessing:
+
+* **Missing integer** -> 0, then the dense transform. The transform is explicit and a
+  parameter: ``dense_log1p`` (default, DLRM's ``log(1 + max(x, 0))``; negatives such as
+  -1 become 0), ``dense_log_plus3`` (TorchRec's ``log(x + 3)``), ``None`` (raw values as
+  float32) or any callable ``int64[n, 13] -> float[n, 13]``.
+* **Hashing**: ``id = int(hex, 16) % num_embeddings_per_feature[j]`` (unsigned; up to 16
+  hex digits).
+* **Missing category**: ``missing_category="zero"`` (default) hashes the empty string as 0,
+  so the bag holds id 0, exactly as TorchRec's ``int(x or "0", 16)`` (row 0 is shared with
+  the hashes that are multiples of the table size). ``"empty"`` gives a bag of length 0
+  instead (the feature then pools to zeros).
+* **Static shapes**: every batch has ``dense`` [B, 13], ``labels`` [B], ``mask`` [B] and a
+  KJT with keys ``C1..C26``, stride B and capacity ``B * 26`` (at most one id per bag).
+  ``last_batch="pad"`` (default) pads a partial last batch (mask 0, empty bags, zeros);
+  ``"drop"`` drops it. Rows of several files run on into each other (no per-file padding).
+* **Blank lines** are skipped (they still count in the line numbers of error messages).
+
+Streaming: files are read ``read_chunk_rows`` lines at a time (plain or ``.gz``) and parsed
+with NumPy, so memory stays bounded whatever the file size. Throughput is ~110,000 rows/s
+on one core of a 2-core CPU (Kaggle's 45M rows in ~7 minutes); wrap the reader in a
+``Prefetcher`` so that parsing overlaps training.
+"""
+
+from __future__ import annotations
+
+import gzip
+import itertools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from jaxrec.data._batch import Batch
+from jaxrec.data._batch import DataFormatError
+from jaxrec.data._batch import batch_from_ids
+from jaxrec.data._batch import check_batch_size
+from jaxrec.data._batch import check_last_batch
+from jaxrec.data._batch import check_table_sizes
+from jaxrec.data._batch import rebatch
+
+CRITEO_NUM_DENSE = 13
+CRITEO_NUM_SPARSE = 26
+CRITEO_DENSE_KEYS = tuple(f"I{i}" for i in range(1, CRITEO_NUM_DENSE + 1))
+CRITEO_SPARSE_KEYS = tuple(f"C{i}" for i in range(1, CRITEO_NUM_SPARSE + 1))
+_NUM_FIELDS = 1 + CRITEO_NUM_DENSE + CRITEO_NUM_SPARSE
+
+CRITEO_KAGGLE_CARDINALITIES = (
+    1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+    27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572,
+)
+"""Distinct values of C1..C26 in the Kaggle training set (the DLRM/TorchRec table sizes)."""
+
+_MAX_HEX_DIGITS = 16  # fits uint64
+_HEX_LUT = np.full(256, -1, np.int8)  # byte -> nibble; -1 not hex; -2 NUL padding of 'S'
+_HEX_LUT[0] = -2
+for _i, _c in enumerate(b"0123456789abcdef"):
+    _HEX_LUT[_c] = _i
+for _i, _c in enumerate(b"ABCDEF"):
+    _HEX_LUT[_c] = 10 + _i
+
+
+def dense_log1p(x: np.ndarray) -> np.ndarray:
+    """DLRM's dense transform: ``log(1 + max(x, 0))`` as float32 (missing values are 0)."""
+    return np.log1p(np.maximum(np.asarray(x, np.float64), 0.0)).astype(np.float32)
+
+
+def dense_log_plus3(x: np.ndarray) -> np.ndarray:
+    """TorchRec's dense transform: ``log(x + 3)`` as float32 (Kaggle's minimum is -2)."""
+    return np.log(np.asarray(x, np.float64) + 3.0).astype(np.float32)
+
+
+def _open(path: Path):
+    return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _check_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[Path, ...]:
+    if isinstance(paths, (str, os.PathLike)):
+        paths = [paths]
+    paths = tuple(Path(p) for p in paths)
+    if not paths:
+        raise ValueError("paths is empty; pass the path of a Criteo TSV file (or a list).")
+    for p in paths:
+        if not p.exists():
+            raise FileNotFoundError(
+                f"Criteo TSV file not found: {p}; pass the path of a Kaggle train.txt or a "
+                "Terabyte day_N file (plain or .gz)."
+            )
+        if not p.is_file():
+            raise IsADirectoryError(
+                f"{p} is not a file; pass the TSV files themselves, e.g. "
+                f"sorted({str(p)!r}.glob('day_*'))."
+            )
+    return paths
+
+
+class CriteoReader:
+    """Iterates over ``Batch`` es of Criteo TSV files, one pass per ``iter()``.
+
+    Args:
+      paths: one file or a list of files (plain text or ``.gz``), read in order.
+      batch_size: rows per batch (B).
+      num_embeddings_per_feature: table size of C1..C26 (26 ints, or one int for all):
+        ``id = int(hex, 16) % size``.
+      dense_transform: ``int64[n, 13] -> float[n, 13]`` applied after missing -> 0;
+        default ``dense_log1p``; ``None`` keeps the raw integers (as float32).
+      missing_category: ``"zero"`` (an empty C-field is id 0) or ``"empty"`` (a bag of
+        length 0).
+      last_batch: ``"pad"`` (pad with mask 0) or ``"drop"`` a partial last batch.
+      read_chunk_rows: lines read and parsed at a time.
+
+    Raises ``DataFormatError`` (a ``ValueError``) naming the file, line and field of a
+    malformed line, and ``FileNotFoundError`` for a missing file (at construction).
+    """
+
+    keys = CRITEO_SPARSE_KEYS
+
+    def __init__(
+        self,
+        paths: str | os.PathLike | Sequence[str | os.PathLike],
+        *,
+        batch_size: int,
+        num_embeddings_per_feature: int | Sequence[int],
+        dense_transform: Callable[[np.ndarray], np.ndarray] | None = dense_log1p,
+        missing_category: str = "zero",
+        last_batch: str = "pad",
+        read_chunk_rows: int = 16384,
+    ):
+        self.paths = _check_paths(paths)
+        self.batch_size = check_batch_size(batch_size)
+        self.table_sizes = check_table_sizes(
+            num_embeddings_per_feature, CRITEO_NUM_SPARSE, "num_embeddings_per_feature"
+        )
+        if dense_transform is not None and not callable(dense_transform):
+            raise TypeError(
+                f"dense_transform must be a callable or None, got {dense_transform!r}."
+            )
+        self.dense_transform = dense_transform
+        if missing_category not in ("zero", "empty"):
+            raise ValueError(
+                f"missing_category must be 'zero' (id 0) or 'empty' (a bag of length 0), "
+                f"got {missing_category!r}."
+            )
+        self.missing_category = missing_category
+        self.last_batch = check_last_batch(last_batch)
+        self.read_chunk_rows = check_batch_size(read_chunk_rows, "read_chunk_rows")
+
+    def __iter__(self) -> Iterator[Batch]:
+        chunks = self.iter_rows()
+        try:
+            batches = rebatch(chunks, self.batch_size, self.last_batch)
+            for (labels, dense, ids), num_valid in batches:
+                yield batch_from_ids(self.keys, ids, dense, labels, num_valid)
+        finally:
+            chunks.close()
+
+    def iter_rows(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+        """Chunks of parsed rows on the host, before batching: ``(labels float32[n],
+        dense float32[n, 13], ids int64[n, 26])``, ids already hashed (-1 = empty bag)."""
+        table_sizes = np.asarray(self.table_sizes, np.uint64)
+        for path in self.paths:
+            with _open(path) as f:
+                first_line = 1
+                while True:
+                    lines = list(itertools.islice(f, self.read_chunk_rows))
+                    if not lines:
+                        break
+                    labels, raw_dense, ids = parse_lines(
+                        lines, table_sizes, path=path, first_line=first_line,
+                        missing=-1 if self.missing_category == "empty" else 0,
+                    )
+                    first_line += len(lines)
+                    yield labels, self._transform(raw_dense), ids
+
+    def _transform(self, raw: np.ndarray) -> np.ndarray:
+        if self.dense_transform is None:
+            return raw.astype(np.float32)
+        out = np.asarray(self.dense_transform(raw))
+        if out.shape != raw.shape:
+            raise ValueError(
+                f"dense_transform must keep the shape {raw.shape} of its input, returned "
+                f"shape {out.shape}."
+            )
+        return out.astype(np.float32)
+
+
+def parse_lines(
+    lines: list[bytes],
+    table_sizes: np.ndarray,
+    *,
+    path: Path,
+    first_line: int,
+    missing: int = 0,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Parses raw lines (bytes, with or without newline) into ``(labels float32[n],
+    dense int64[n, 13] (missing -> 0), ids int64[n, 26] (missing -> ``missing``))``."""
+    stripped = [line.rstrip(b"\r\n") for line in lines]
+    rows = [line for line in stripped if line]  # blank lines are skipped
+
+    def line_of(row: int) -> int:
+        if len(rows) == len(stripped):
+            return first_line + row
+        return first_line + [i for i, line in enumerate(stripped) if line][row]
+
+    bad = next((r for r, row in enumerate(rows) if row.count(b"\t") != _NUM_FIELDS - 1), None)
+    if bad is not None:
+        found = rows[bad].count(b"\t") + 1
+        hint = (
+            " (39 fields look like Kaggle's test.txt, which has no label column)"
+            if found == _NUM_FIELDS - 1 else ""
+        )
+        raise DataFormatError(
+            f"{path}, line {line_of(bad)}: expected {_NUM_FIELDS} TAB-separated fields "
+            f"(label, I1..I13, C1..C26), found {found}{hint}. Check that the file is a "
+            "Criteo Kaggle/Terabyte TSV that is TAB (not comma) separated and not "
+            "truncated, or remove this line."
+        )
+    if not rows:
+        return (np.zeros((0,), np.float32), np.zeros((0, CRITEO_NUM_DENSE), np.int64),
+                np.zeros((0, CRITEO_NUM_SPARSE), np.int64))
+    fields = b"\t".join(rows).split(b"\t")
+    table = np.array(fields, dtype=np.bytes_).reshape(len(rows), _NUM_FIELDS)
+
+    def fail(bad: np.ndarray, column0: int, what: str) -> None:
+        r, c = np.argwhere(bad)[0]
+        name = ("label",) + CRITEO_DENSE_KEYS + CRITEO_SPARSE_KEYS
+        value = table[r, column0 + c].decode("utf-8", "replace")
+        raise DataFormatError(
+            f"{path}, line {line_of(r)}, field {name[column0 + c]}: {value!r} {what}; "
+            "fix or remove this line."
+        )
+
+    label_col = table[:, 0]
+    ones = label_col == b"1"
+    bad = ~(ones | (label_col == b"0"))
+    if bad.any():
+        fail(bad[:, None], 0, "is not a label (0 or 1)")
+    labels = ones.astype(np.float32)
+
+    dense_raw = table[:, 1 : 1 + CRITEO_NUM_DENSE]
+    try:
+        dense = np.where(dense_raw == b"", b"0", dense_raw).astype(np.int64)
+    except (ValueError, OverflowError):
+        bad = np.zeros(dense_raw.shape, bool)
+        for r, c in np.ndindex(*dense_raw.shape):
+            bad[r, c] = not _is_int(dense_raw[r, c])
+        fail(bad, 1, "is not an integer (I1..I13 hold integers such as 5 or -1, or nothing)")
+
+    cats = np.ascontiguousarray(table[:, 1 + CRITEO_NUM_DENSE :])
+    ids = _hash_hex(cats, table_sizes, missing, lambda bad, what: fail(bad, 14, what))
+    return labels, dense, ids
+
+
+def _is_int(field: bytes) -> bool:
+    try:
+        int(field or b"0")
+    except ValueError:
+        return False
+    return True
+
+
+def _hash_hex(cats: np.ndarray, table_sizes: np.ndarray, missing: int, fail) -> np.ndarray:
+    """``int(hex, 16) % size`` for an ``S``-array [n, 26] of hex strings, vectorized."""
+    n, f = cats.shape
+    width = cats.dtype.itemsize
+    if width > _MAX_HEX_DIGITS:
+        fail(np.char.str_len(cats) > _MAX_HEX_DIGITS,
+             f"is longer than {_MAX_HEX_DIGITS} hex digits (C1..C26 hold hashes such as "
+             "'05db9164')")
+    nibbles = _HEX_LUT[cats.view(np.uint8).reshape(n, f, width)]
+    bad = (nibbles == -1).any(axis=2)
+    # NUL bytes inside a field (not trailing padding) are not hex either
+    bad |= ((nibbles[..., :-1] == -2) & (nibbles[..., 1:] >= 0)).any(axis=2)
+    if bad.any():
+        fail(bad, "is not a hexadecimal hash (C1..C26 hold hex strings such as '05db9164', "
+                  "or nothing when missing)")
+    acc = np.zeros((n, f), np.uint64)
+    for j in range(width):
+        nib = nibbles[..., j]
+        digit = nib >= 0
+        acc = np.where(digit, acc * np.uint64(16) + nib.astype(np.uint64), acc)
+    ids = (acc % table_sizes).astype(np.int64)
+    if missing != 0:
+        ids[nibbles[..., 0] == -2] = missing
+    return ids
