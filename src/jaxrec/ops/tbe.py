@@ -176,9 +176,10 @@ def _backward_kernel_cuda(config: _Config, grad_output, weights, per_sample_weig
     # XLA sorts the (table row, position) pairs (a CUB radix sort on the GPU); the
     # kernel then sums each row's contributions in that fixed order, without atomics.
     n = indices.shape[0]
-    key = row_keys(config.layout, indices, offsets)
+    bag = bag_of_position(offsets, n)
+    key = row_keys(config.layout, indices, bag, offsets.shape[0] - 1)
     sorted_key, sorted_position = jax.lax.sort_key_val(key, jnp.arange(n, dtype=indices.dtype))
-    sorted_bag = bag_of_position(offsets, n)[sorted_position]
+    sorted_bag = bag[sorted_position]
     call = jax.ffi.ffi_call("jaxrec_tbe_backward_sorted", _grad_shapes(weights, per_sample_weights),
                             vmap_method="sequential")
     return call(grad_output, weights, indices, offsets, per_sample_weights,

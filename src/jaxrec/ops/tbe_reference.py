@@ -22,12 +22,13 @@ def bag_of_position(offsets: jax.Array, num_indices: int) -> jax.Array:
     return jnp.searchsorted(offsets, position, side="right").astype(offsets.dtype) - 1
 
 
-def row_keys(layout: TableLayout, indices, offsets) -> jax.Array:
+def row_keys(layout: TableLayout, indices, bag, num_bags: int) -> jax.Array:
     """Key of the table row each position reads: the table's first row in the stacked
-    tables plus the id; the dtype's max for positions outside bags (sorted last)."""
-    num_bags = offsets.shape[0] - 1
+    tables plus the id; the dtype's max for positions outside bags (sorted last).
+
+    ``bag`` is ``bag_of_position(offsets, N)``, which every caller needs too.
+    """
     batch_size = max(num_bags // layout.num_features, 1)
-    bag = bag_of_position(offsets, indices.shape[0])
     valid = (bag >= 0) & (bag < num_bags)
     feature = jnp.clip(bag // batch_size, 0, layout.num_features - 1)
     table_first_row = np.concatenate([[0], np.cumsum(layout.rows)[:-1]])

@@ -70,7 +70,7 @@ def embedding_bag_sparse_grad(grad_output, indices, offsets, *, layout: TableLay
     g = jnp.where(jnp.arange(g.shape[1], dtype=jnp.int32) < dim[:, None], g, 0.0)
     contrib = g[:, :max_dim] * scale[:, None]
 
-    key = row_keys(layout, indices, offsets)
+    key = row_keys(layout, indices, bag, num_bags)
     sentinel = np.iinfo(key.dtype).max
     sorted_key, order = jax.lax.sort_key_val(key, jnp.arange(n, dtype=key.dtype))
     is_new = jnp.concatenate([jnp.ones((min(n, 1),), bool), sorted_key[1:] != sorted_key[:-1]])
