@@ -30,11 +30,13 @@ TARGETS = {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCpu",
         "jaxrec_tbe_forward": "JaxrecTbeForwardCpu",
         "jaxrec_tbe_backward": "JaxrecTbeBackwardCpu",
+        "jaxrec_tbe_fused_update": "JaxrecTbeFusedUpdateCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
         "jaxrec_tbe_forward": "JaxrecTbeForwardCuda",
         "jaxrec_tbe_backward_sorted": "JaxrecTbeBackwardSortedCuda",
+        "jaxrec_tbe_fused_update": "JaxrecTbeFusedUpdateCuda",
     },
 }
 

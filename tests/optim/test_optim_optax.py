@@ -16,6 +16,8 @@ What is compared, and the differences (each tested below or in test_optim_numpy.
   weight decay), optax is dense, so multi-step comparisons touch the same rows each step.
 """
 
+import functools
+
 import numpy as np
 import optax
 import pytest
@@ -45,8 +47,10 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("path", ["reference", "kernel"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_touched_rows_match_optax(case):
+def test_touched_rows_match_optax(case, path, platform):
+    """Over several steps; ``kernel``: the fused CPU/CUDA kernel (optim.fused_update)."""
     config, tx, per_row, start = CASES[case]
     rng = np.random.default_rng(abs(hash(case)) % 2**31)
     tables = [rng.normal(0.0, 0.3, size=(r, d)).astype(np.float32)
@@ -64,7 +68,11 @@ def test_touched_rows_match_optax(case):
 
     params = leaves(weights)
     opt_state = tx.init(params)
-    update = jitted_update(config)
+    if path == "reference":
+        update = jitted_update(config)
+    else:
+        fused = jax.jit(functools.partial(optim.fused_update, layout=LAYOUT, config=config,
+                                          backend="kernel"))
 
     @jax.jit
     def optax_step(params, opt_state, grad):
@@ -75,7 +83,10 @@ def test_touched_rows_match_optax(case):
     for _ in range(STEPS):
         grad_output = rng.normal(size=(4, LAYOUT.total_dim)).astype(np.float32)
         grad = sparse_grad((indices, offsets, grad_output))
-        weights, state = update(weights, state, grad, config.hyperparams())
+        if path == "reference":
+            weights, state = update(weights, state, grad, config.hyperparams())
+        else:
+            weights, state = fused(weights, state, grad_output, indices, offsets)
         params, opt_state = optax_step(params, opt_state, grad)
 
     got = [np.asarray(t) for t in LAYOUT.split_embedding_weights(weights)]

@@ -6,6 +6,11 @@ the configs (:class:`SGD`, :class:`RowWiseAdagrad`, ...), their state
 (:func:`init_state`, flat buffers laid out like the weights), the math written once
 (:func:`update_rows`) and the jnp reference of the fused update
 (:func:`fused_update_reference`), which the kernels are tested against.
+
+The fused update itself is :func:`fused_update` (the explicit form). Its
+``custom_vjp`` form is :func:`fused_lookup` over :class:`FusedEmbeddingTables`,
+trained by :func:`make_train_step` (optax on the dense parameters, the fused update
+on the tables, one jitted step with everything donated).
 """
 
 from jaxrec.optim._configs import (
@@ -24,6 +29,9 @@ from jaxrec.optim._configs import (
     set_learning_rate,
 )
 from jaxrec.optim._fused import fused_update_reference
+from jaxrec.optim.fused_update import fused_update
+from jaxrec.optim.fused_tables import FusedEmbeddingTables, fused_lookup
+from jaxrec.optim.partitioned import fused_value_and_grad, make_train_step
 from jaxrec.optim._rowwise import update_rows
 from jaxrec.optim._state import (
     AdagradState,
@@ -49,6 +57,7 @@ __all__ = [
     "AdagradState",
     "Adam",
     "AdamState",
+    "FusedEmbeddingTables",
     "LAMBState",
     "LarsSGD",
     "LarsSGDState",
@@ -63,8 +72,12 @@ __all__ = [
     "RowWiseAdagrad",
     "RowWiseAdagradState",
     "SGDState",
+    "fused_lookup",
+    "fused_update",
     "fused_update_reference",
+    "fused_value_and_grad",
     "init_state",
+    "make_train_step",
     "row_offsets",
     "set_learning_rate",
     "split_optimizer_states",

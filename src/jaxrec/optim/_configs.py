@@ -90,6 +90,9 @@ class OptimizerConfig:
             if value is not None and not low <= value < high:
                 raise ValueError(f"{type(self).__name__}.{name} must be in [{low}, {high}), "
                                  f"got {value}")
+        if not isinstance(getattr(self, "seed", 0), int) or not 0 <= getattr(self, "seed", 0) < 2**32:
+            raise ValueError(f"{type(self).__name__}.seed must be an int in [0, 2**32), got "
+                             f"{self.seed!r}")
         if getattr(self, "max_gradient", 1.0) <= 0:
             raise ValueError(f"{type(self).__name__}.max_gradient must be > 0, got {self.max_gradient}")
 
@@ -120,6 +123,14 @@ class _Common(OptimizerConfig):
     state_dtype: jnp.dtype = jnp.float32
     """dtype of the optimizer state buffers: float32 (default), bfloat16 or float16. The
     math runs in float32 and the state is rounded when stored, as in FBGEMM."""
+    stochastic_rounding: bool = False
+    """Round float16/bfloat16 *weights* stochastically when storing them (FBGEMM's
+    ``stochastic_rounding``, which defaults to True there): unbiased, so small updates are
+    not lost to rounding. Deterministic: the random bits are a hash of ``seed``, the step,
+    the row and the column (``jaxrec.optim._rounding``). float32 weights and every state
+    buffer are rounded to nearest. Static."""
+    seed: int = 0
+    """Seed of the stochastic rounding (static)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

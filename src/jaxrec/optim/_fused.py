@@ -20,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.ops import SparseRowGrad, TableLayout
+from jaxrec.ops.tbe_layout import TableLayout
+from jaxrec.ops.tbe_sparse_grad import SparseRowGrad
 from jaxrec.optim import _configs as C
 from jaxrec.optim._rowwise import update_rows
-from jaxrec.optim._state import buffer_fields, check_state, state_offsets
+from jaxrec.optim._state import buffer_fields, check_state, row_offsets, state_offsets
 
 
 def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad, *,
@@ -91,8 +92,9 @@ def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad
     state_rows = config.state_type(step=state.step, **{
         name: getattr(state, name)[index[name]] for name in index})
 
+    keys = jnp.asarray(row_offsets(layout), index_dtype)[table] + row
     new_w, new_state = update_rows(config, hparams, weights[w_index], sparse_grad.grads[:, :max_dim],
-                                   state_rows, dims=jnp.where(valid, dims, 0))
+                                   state_rows, dims=jnp.where(valid, dims, 0), keys=keys)
 
     # Entries that must not be written go to an out-of-range index and are dropped.
     def scatter(buf, idx, values, keep):

@@ -3,7 +3,8 @@
 ``update_rows`` updates a batch of *unique* rows (duplicate ids already summed):
 the fused kernels implement exactly these formulas and are tested against them.
 All math runs in float32; weights and state are rounded to their dtypes when
-stored (round to nearest: FBGEMM's optional stochastic rounding is not modelled).
+stored: round to nearest, or for float16/bfloat16 weights with ``stochastic_rounding``
+the deterministic stochastic rounding of ``jaxrec.optim._rounding``.
 Notation per row: ``w, g`` of length D (the row's table dim), ``lr`` the learning
 rate, ``t`` the step *after* the increment (1 on the first update), ``mean_D`` and
 ``‖·‖`` over the row's D columns.
@@ -23,6 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrec.optim import _configs as C
+from jaxrec.optim._rounding import rounding_bits, stochastic_round
 from jaxrec.optim._state import buffer_fields
 
 _F32 = jnp.float32
@@ -160,7 +162,7 @@ _RULES = {
 
 
 def update_rows(config: C.OptimizerConfig, hparams: C.OptimizerHyperparams, weights, grads,
-                state_rows, *, dims=None):
+                state_rows, *, dims=None, keys=None):
     """One optimizer step on a batch of unique rows; see the module doc and each rule.
 
     Args:
@@ -172,6 +174,8 @@ def update_rows(config: C.OptimizerConfig, hparams: C.OptimizerHyperparams, weig
         whose buffers hold the rows' state: ``[n, D]`` per element, ``[n]`` per row.
       dims: optional ``int[n]``: row i uses its first ``dims[i]`` columns (tables of a
         smaller dim in a ``[n, max_dim]`` batch); other columns are returned unchanged.
+      keys: ``int[n]``, each row's index among all tables' rows; needed when
+        ``config.stochastic_rounding`` rounds float16/bfloat16 weights (it seeds the bits).
 
     Returns:
       ``(new_weights, new_state_rows)`` in the input dtypes, ``step`` incremented.
@@ -221,6 +225,11 @@ def update_rows(config: C.OptimizerConfig, hparams: C.OptimizerHyperparams, weig
     clip = (h.max_norm > 0) & (norm > h.max_norm)
     w_new = w_new * jnp.where(clip, h.max_norm / jnp.where(clip, norm, 1.0), 1.0)[:, None]
 
+    if config.stochastic_rounding and weights.dtype != jnp.float32:
+        if keys is None:
+            raise ValueError("update_rows: stochastic_rounding of float16/bfloat16 weights needs "
+                             "keys (each row's index among all tables' rows) to draw its bits")
+        w_new = stochastic_round(w_new, weights.dtype, rounding_bits(config.seed, step, keys, width))
     out_w = jnp.where(mask, w_new.astype(weights.dtype), weights)
     out_s = {name: (jnp.where(mask, new[name].astype(x.dtype), x) if x.ndim == 2
                     else new[name].astype(x.dtype)) for name, x in old.items()}

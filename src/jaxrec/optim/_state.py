@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.ops import TableLayout
+from jaxrec.ops.tbe_layout import TableLayout
 
 
 class NoOptimizerState(NamedTuple):

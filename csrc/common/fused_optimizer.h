@@ -1,0 +1,194 @@
+// The row update of the fused optimizers, shared by the CPU and CUDA handlers of
+// jaxrec_tbe_fused_update. It is the C++ twin of jaxrec/optim/_rowwise.py
+// (update_rows), which documents every formula; keep the two in step.
+//
+// A `Row` holds the elements of one embedding row that the caller owns, as float32:
+// w[i], g[i] (the row's summed gradient), s1[i], s2[i] (per-element state), for
+// i < Row::Size(). Elements past the row's dim hold 0 and are never stored. Row sums
+// go through row.Reduce(partial): the CPU owns the whole row (identity), a CUDA warp
+// owns 4 columns per lane (a shuffle reduction), so this code is written once.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "common/ffi_util.h"
+
+namespace jaxrec {
+
+// jaxrec.optim's configs, in FBGEMM's order (jaxrec/optim/fused_update.py writes the attribute).
+enum class OptimizerKind : int32_t {
+  kSgd = 0,
+  kAdagrad = 1,
+  kRowWiseAdagrad = 2,
+  kAdam = 3,
+  kPartialRowWiseAdam = 4,
+  kLamb = 5,
+  kPartialRowWiseLamb = 6,
+  kLarsSgd = 7,
+};
+
+enum class WeightDecayMode : int32_t { kNone = 0, kL2 = 1, kDecoupled = 2 };
+
+// The float32[9] hyperparameter operand: OptimizerHyperparams' fields in order.
+struct Hyperparams {
+  float learning_rate, eps, beta1, beta2, weight_decay, momentum, eta, max_gradient, max_norm;
+
+  JAXREC_HOST_DEVICE static Hyperparams Load(const float* h) {
+    return {h[0], h[1], h[2], h[3], h[4], h[5], h[6], h[7], h[8]};
+  }
+};
+
+// Number of state buffers of each optimizer, and whether each is one value per row.
+JAXREC_HOST_DEVICE constexpr int NumStates(OptimizerKind k) {
+  return k == OptimizerKind::kSgd ? 0
+         : (k == OptimizerKind::kAdagrad || k == OptimizerKind::kRowWiseAdagrad ||
+            k == OptimizerKind::kLarsSgd)
+             ? 1
+             : 2;
+}
+JAXREC_HOST_DEVICE constexpr bool State1PerRow(OptimizerKind k) {
+  return k == OptimizerKind::kRowWiseAdagrad;
+}
+JAXREC_HOST_DEVICE constexpr bool State2PerRow(OptimizerKind k) {
+  return k == OptimizerKind::kPartialRowWiseAdam || k == OptimizerKind::kPartialRowWiseLamb;
+}
+
+struct RowUpdateArgs {
+  Hyperparams h;
+  float step;  // t: the step after the increment (1 on the first update)
+  float dim;   // D of the row's table
+  bool gradient_clipping;
+  WeightDecayMode weight_decay_mode;
+};
+
+// a / b where b > 0, else 0 (jaxrec.optim._rowwise._safe_div).
+JAXREC_HOST_DEVICE float SafeDiv(float a, float b) { return b > 0.f ? a / b : 0.f; }
+
+// Updates row.w (and row.s1/s2, or the per-row s1_row/s2_row) in place, as update_rows.
+template <OptimizerKind kKind, typename Row>
+JAXREC_HOST_DEVICE void UpdateRow(Row& row, const RowUpdateArgs& a, float& s1_row, float& s2_row) {
+  const Hyperparams& h = a.h;
+  const int n = row.Size();
+  if (a.gradient_clipping) {
+    for (int i = 0; i < n; ++i) row.g[i] = fminf(fmaxf(row.g[i], -h.max_gradient), h.max_gradient);
+  }
+
+  if constexpr (kKind == OptimizerKind::kSgd) {
+    for (int i = 0; i < n; ++i) row.w[i] -= h.learning_rate * row.g[i];
+  } else if constexpr (kKind == OptimizerKind::kAdagrad) {
+    for (int i = 0; i < n; ++i) {
+      row.s1[i] += row.g[i] * row.g[i];
+      row.w[i] -= h.learning_rate * row.g[i] / (sqrtf(row.s1[i]) + h.eps);
+    }
+  } else if constexpr (kKind == OptimizerKind::kRowWiseAdagrad) {
+    const bool l2 = a.weight_decay_mode == WeightDecayMode::kL2;
+    float sum = 0.f;
+    for (int i = 0; i < n; ++i) {
+      const float gw = l2 ? row.g[i] + h.weight_decay * row.w[i] : row.g[i];
+      sum += gw * gw;
+    }
+    s1_row += row.Reduce(sum) / a.dim;
+    const float mult = h.learning_rate / (sqrtf(s1_row) + h.eps);
+    const float corr = l2 ? 1.f - mult * h.weight_decay
+                       : a.weight_decay_mode == WeightDecayMode::kDecoupled
+                           ? 1.f - h.learning_rate * h.weight_decay
+                           : 1.f;
+    for (int i = 0; i < n; ++i) row.w[i] = corr * row.w[i] - mult * row.g[i];
+  } else if constexpr (kKind == OptimizerKind::kLarsSgd) {
+    float ww = 0.f, gg = 0.f;
+    for (int i = 0; i < n; ++i) {
+      ww += row.w[i] * row.w[i];
+      gg += row.g[i] * row.g[i];
+    }
+    const float w_norm = sqrtf(row.Reduce(ww)), g_norm = sqrtf(row.Reduce(gg));
+    const float lr_local =
+        SafeDiv(h.learning_rate * h.eta * w_norm, g_norm + h.weight_decay * w_norm);
+    for (int i = 0; i < n; ++i) {
+      row.s1[i] = h.momentum * row.s1[i] + lr_local * (row.g[i] + h.weight_decay * row.w[i]);
+      row.w[i] -= row.s1[i];
+    }
+  } else {  // the Adam family: moments, then Adam's step or LAMB's trust-ratio step
+    constexpr bool kRowV = State2PerRow(kKind);
+    constexpr bool kLamb = kKind == OptimizerKind::kLamb || kKind == OptimizerKind::kPartialRowWiseLamb;
+    const float c1 = 1.f - powf(h.beta1, a.step), c2 = 1.f - powf(h.beta2, a.step);
+    float v_row = 0.f;
+    if constexpr (kRowV) {
+      float gg = 0.f;
+      for (int i = 0; i < n; ++i) gg += row.g[i] * row.g[i];
+      s2_row = h.beta2 * s2_row + (1.f - h.beta2) * (row.Reduce(gg) / a.dim);
+      v_row = s2_row;
+    }
+    float ww = 0.f, rr = 0.f;
+    for (int i = 0; i < n; ++i) {
+      row.s1[i] = h.beta1 * row.s1[i] + (1.f - h.beta1) * row.g[i];
+      float v = v_row;
+      if constexpr (!kRowV) {
+        row.s2[i] = h.beta2 * row.s2[i] + (1.f - h.beta2) * row.g[i] * row.g[i];
+        v = row.s2[i];
+      }
+      const float direction = (row.s1[i] / c1) / (sqrtf(v / c2) + h.eps);
+      // Adam: w -= lr * r; LAMB keeps r in g to scale it by the trust ratio below.
+      const float r = row.valid(i) ? direction + h.weight_decay * row.w[i] : 0.f;
+      if constexpr (kLamb) {
+        ww += row.w[i] * row.w[i];
+        rr += r * r;
+        row.g[i] = r;
+      } else {
+        row.w[i] -= h.learning_rate * r;
+      }
+    }
+    if constexpr (kLamb) {
+      const float w_norm = sqrtf(row.Reduce(ww)), r_norm = sqrtf(row.Reduce(rr));
+      const float ratio = w_norm > 0.f && r_norm > 0.f ? w_norm / r_norm : 1.f;
+      for (int i = 0; i < n; ++i) row.w[i] -= h.learning_rate * ratio * row.g[i];
+    }
+  }
+
+  if (h.max_norm > 0.f) {
+    float ww = 0.f;
+    for (int i = 0; i < n; ++i) ww += row.valid(i) ? row.w[i] * row.w[i] : 0.f;
+    const float norm = sqrtf(row.Reduce(ww));
+    if (norm > h.max_norm) {
+      const float scale = h.max_norm / norm;
+      for (int i = 0; i < n; ++i) row.w[i] *= scale;
+    }
+  }
+}
+
+// --- stochastic rounding -------------------------------------------------------------
+// Deterministic given (seed, step, row key, column); jaxrec/optim/_rounding.py is the
+// jnp twin (the same hash in uint32 arithmetic).
+
+JAXREC_HOST_DEVICE uint32_t MixBits(uint32_t x) {  // "lowbias32" integer hash
+  x ^= x >> 16;
+  x *= 0x7feb352du;
+  x ^= x >> 15;
+  x *= 0x846ca68bu;
+  x ^= x >> 16;
+  return x;
+}
+
+JAXREC_HOST_DEVICE uint32_t RoundingBits(uint32_t seed, uint32_t step, int64_t key, int64_t column) {
+  uint32_t x = MixBits(seed ^ MixBits(step));
+  x = MixBits(x ^ static_cast<uint32_t>(static_cast<uint64_t>(key)));
+  x = MixBits(x ^ static_cast<uint32_t>(static_cast<uint64_t>(key) >> 32));
+  return MixBits(x ^ static_cast<uint32_t>(column));
+}
+
+// x with its low `drop` mantissa bits rounded stochastically: add random bits below the
+// kept ones, truncate. The result is exact in the narrower type (bf16 drops 16 bits,
+// f16 13 in its normal range), so a round-to-nearest conversion then keeps it.
+JAXREC_HOST_DEVICE float StochasticRound(float x, uint32_t random, int drop) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  if ((bits & 0x7f800000u) == 0x7f800000u) return x;  // inf and NaN stay as they are
+  const uint32_t mask = (1u << drop) - 1u;
+  bits = (bits + (random & mask)) & ~mask;
+  float y;
+  memcpy(&y, &bits, sizeof(y));
+  return y;
+}
+
+}  // namespace jaxrec

@@ -1,0 +1,484 @@
+// CPU handler of the fused sparse optimizer step (jaxrec_tbe_fused_update): applies an
+// optimizer, in place, to the embedding rows a batch touched, from the gradient of the
+// pooled (or sequence) output. The math of a row is common/fused_optimizer.h (UpdateRow);
+// the jnp reference is jaxrec.optim.fused_update_reference.
+//
+// Operands: grad_output (F32, the forward output's shape), weights (F32/F16/BF16, flat),
+// indices, offsets, per_sample_weights ([N] or [0]), layout, sorted_keys,
+// sorted_positions, sorted_bags (the positions sorted by table row: see below),
+// state1, state2 (F32/F16/BF16, or [0] when the optimizer has fewer), hparams (F32[9]),
+// step (S32 scalar: updates so far). Results: weights, state1, state2 (aliased to their
+// operands by the wrapper; updated in place) and grad_per_sample_weights (F32 [N] or
+// [0], from the weights *before* the update). Attributes: optimizer, pooling,
+// gradient_clipping, weight_decay_mode, stochastic_rounding, seed, max_dim (the layout's
+// largest dim, checked).
+//
+// The wrapper sorts the positions by key = first row of the feature's table among all
+// tables' rows + id (the dtype's max outside bags), so the uses of one table row form
+// a run of equal keys:
+//
+//   sorted_keys       [ 3  3  3 | 7 | 9  9 | max max ]     <- runs; the sentinels last
+//   sorted_positions  [ 0  4  6 | 2 | 1  5 |  3   7  ]     (ascending within a run)
+//   items             [ item 0        | item 1       ]     an item owns the runs that
+//                                                          start in it (9 9 -> item 1)
+//
+// For each run: g = sum over its positions p, in sorted order, of scale_p * grad row of
+// p (scale_p = per-sample weight, / bag length for MEAN); then the row's weights and
+// state are loaded as float32, updated by UpdateRow and stored back rounded. Each row
+// is updated by one item and summed in a fixed order, so the result does not depend on
+// the thread schedule. Per-element state is laid out like the weights; per-row state
+// holds one value per row at index key.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "common/ffi_util.h"
+#include "common/fused_optimizer.h"
+#include "common/tbe.h"
+#include "cpu/tbe_cpu_util.h"
+
+namespace jaxrec {
+namespace cpu {
+namespace {
+
+constexpr int64_t kMinItem = 1024;  // sorted entries per work item
+constexpr int64_t kMaxItem = 4096;
+constexpr int64_t kPrefetchDistance = 8;      // sorted entries ahead
+constexpr int64_t kCopyChunk = int64_t{1} << 22;  // bytes copied per item (non-aliased results)
+
+// The row a CPU thread owns, for UpdateRow: the whole row, so a row sum is the sum.
+struct CpuRow {
+  float* w;
+  float* g;
+  float* s1;
+  float* s2;
+  int n;
+  int Size() const { return n; }
+  bool valid(int) const { return true; }
+  float Reduce(float x) const { return x; }
+};
+
+// A state result buffer; its dtype is switched on once per row, not per element.
+struct StateBuffer {
+  void* data;  // nullptr when the optimizer has no such state
+  ffi::DataType dtype;
+};
+
+template <typename T>
+JAXREC_ALWAYS_INLINE void LoadRow(const T* __restrict src, int64_t n, float* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = ToFloat(src[i]);
+}
+
+template <typename T>
+JAXREC_ALWAYS_INLINE void StoreRow(const float* __restrict src, int64_t n, T* __restrict dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = FromFloat<T>(src[i]);
+}
+
+// Elements [start, start + n) of a state buffer as float32, and back (round to nearest).
+JAXREC_ALWAYS_INLINE void LoadState(const StateBuffer& s, int64_t start, int64_t n, float* dst) {
+  switch (s.dtype) {
+    case ffi::DataType::F32:
+      return LoadRow(static_cast<const float*>(s.data) + start, n, dst);
+    case ffi::DataType::BF16:
+      return LoadRow(static_cast<const BFloat16*>(s.data) + start, n, dst);
+    default:
+      return LoadRow(static_cast<const Half*>(s.data) + start, n, dst);
+  }
+}
+
+JAXREC_ALWAYS_INLINE void StoreState(const StateBuffer& s, int64_t start, int64_t n, const float* src) {
+  switch (s.dtype) {
+    case ffi::DataType::F32:
+      return StoreRow(src, n, static_cast<float*>(s.data) + start);
+    case ffi::DataType::BF16:
+      return StoreRow(src, n, static_cast<BFloat16*>(s.data) + start);
+    default:
+      return StoreRow(src, n, static_cast<Half*>(s.data) + start);
+  }
+}
+
+JAXREC_ALWAYS_INLINE void PrefetchState(const StateBuffer& s, int64_t start, int64_t n) {
+  if (s.data == nullptr) return;
+  const int64_t width = s.dtype == ffi::DataType::F32 ? 4 : 2;
+  PrefetchBytes(static_cast<const char*>(s.data) + start * width, n * width);
+}
+
+template <typename I>
+struct UpdateArgs {
+  const float* grad_output;
+  const I* indices;
+  const I* offsets;
+  const float* per_sample_weights;  // nullptr when not weighted
+  const I* sorted_keys;
+  const I* sorted_positions;
+  const I* sorted_bags;
+  int64_t num_sorted;  // N
+  TbeLayout layout;
+  int64_t batch_size;
+  int64_t total_dim;
+  int64_t max_dim;
+  PoolingMode pooling;
+  void* weights;  // the result buffer, updated in place
+  StateBuffer state1, state2;
+  float* grad_per_sample_weights;  // nullptr when not weighted
+  RowUpdateArgs row_args;          // its dim is set per row
+  bool stochastic_rounding;
+  uint32_t seed;
+  uint32_t step;  // t = updates so far + 1
+};
+
+// Updates the rows whose runs start in sorted entries [begin, end). `scratch` holds
+// 4 * max_dim floats.
+template <OptimizerKind kKind, typename W, typename I>
+JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
+  constexpr I kSentinel = std::numeric_limits<I>::max();
+  constexpr bool kState1 = NumStates(kKind) >= 1, kState2 = NumStates(kKind) >= 2;
+  constexpr bool kRow1 = State1PerRow(kKind), kRow2 = State2PerRow(kKind);  // else per element
+  const I* __restrict keys = a.sorted_keys;
+  const I* __restrict positions = a.sorted_positions;
+  const I* __restrict bags = a.sorted_bags;
+  const TbeLayout& l = a.layout;
+  const int64_t n = a.num_sorted, B = a.batch_size;
+  const bool pooled = a.pooling != PoolingMode::kNone, mean = a.pooling == PoolingMode::kMean;
+  W* const weights = static_cast<W*>(a.weights);
+  float* __restrict w = scratch;
+  float* __restrict g = w + a.max_dim;
+  float* __restrict s1 = g + a.max_dim;
+  float* __restrict s2 = s1 + a.max_dim;
+
+  // Element offset of the table row of sorted entry i (not a sentinel), and its dim.
+  const auto row_start = [&](int64_t i, int64_t* dim) {
+    const int64_t f = bags[i] / B;
+    *dim = l.dims[f];
+    return l.table_offsets[f] + static_cast<int64_t>(a.indices[positions[i]]) * *dim;
+  };
+  const auto grad_row = [&](int64_t p, int64_t bag, int64_t dim) {
+    if (!pooled) return a.grad_output + p * dim;
+    const int64_t f = bag / B;
+    return a.grad_output + (bag - f * B) * a.total_dim + l.output_offsets[f];
+  };
+  const auto prefetch = [&](int64_t i) {  // the grad row of entry i, and its table row if it starts a run
+    if (i >= n || keys[i] == kSentinel) return;
+    int64_t dim;
+    const int64_t start = row_start(i, &dim);
+    PrefetchBytes(grad_row(positions[i], bags[i], dim), dim * static_cast<int64_t>(sizeof(float)));
+    if (keys[i] == keys[i - 1]) return;
+    PrefetchBytes(weights + start, dim * static_cast<int64_t>(sizeof(W)));
+    if constexpr (kState1) PrefetchState(a.state1, kRow1 ? keys[i] : start, kRow1 ? 1 : dim);
+    if constexpr (kState2) PrefetchState(a.state2, kRow2 ? keys[i] : start, kRow2 ? 1 : dim);
+  };
+
+  int64_t i = begin;
+  while (i > 0 && i < end && keys[i] == keys[i - 1]) ++i;  // that run belongs to an earlier item
+  while (i < end && keys[i] != kSentinel) {
+    const I key = keys[i];
+    int64_t dim;
+    const int64_t start = row_start(i, &dim);
+    W* __restrict wrow = weights + start;
+    LoadRow(wrow, dim, w);
+    std::fill(g, g + dim, 0.0f);
+
+    // The run's gradient, in sorted order; the per-sample-weight gradient from the old row.
+    int64_t j = i;
+    for (; j < n && keys[j] == key; ++j) {
+      prefetch(j + kPrefetchDistance);
+      const int64_t p = positions[j], bag = bags[j];
+      const float* __restrict grow = grad_row(p, bag, dim);
+      float scale = 1.0f;
+      if (pooled) {
+        const float length = mean ? static_cast<float>(a.offsets[bag + 1] - a.offsets[bag]) : 1.0f;
+        if (a.per_sample_weights != nullptr) {
+          float dot = 0.0f;
+          for (int64_t d = 0; d < dim; ++d) dot += grow[d] * w[d];
+          a.grad_per_sample_weights[p] = mean ? dot / length : dot;
+          scale = a.per_sample_weights[p];
+        }
+        if (mean) scale /= length;
+      }
+      for (int64_t d = 0; d < dim; ++d) g[d] += scale * grow[d];
+    }
+
+    // The optimizer step on the row, then the stores.
+    float s1_row = 0.0f, s2_row = 0.0f;
+    if constexpr (kState1) LoadState(a.state1, kRow1 ? key : start, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
+    if constexpr (kState2) LoadState(a.state2, kRow2 ? key : start, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
+    CpuRow row{w, g, s1, s2, static_cast<int>(dim)};
+    RowUpdateArgs args = a.row_args;
+    args.dim = static_cast<float>(dim);
+    UpdateRow<kKind>(row, args, s1_row, s2_row);
+
+    if constexpr (!std::is_same_v<W, float>) {
+      if (a.stochastic_rounding) {
+        constexpr int kDrop = std::is_same_v<W, BFloat16> ? 16 : 13;
+        for (int64_t d = 0; d < dim; ++d) {
+          w[d] = StochasticRound(w[d], RoundingBits(a.seed, a.step, key, d), kDrop);
+        }
+      }
+    }
+    StoreRow(w, dim, wrow);
+    if constexpr (kState1) StoreState(a.state1, kRow1 ? key : start, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
+    if constexpr (kState2) StoreState(a.state2, kRow2 ? key : start, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
+    i = j;
+  }
+}
+
+template <OptimizerKind kKind, typename W, typename I>
+void UpdateItemBaseline(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
+  UpdateItem<kKind, W, I>(a, begin, end, scratch);
+}
+#if JAXREC_HAS_ISA_CLONES
+template <OptimizerKind kKind, typename W, typename I>
+JAXREC_TARGET_AVX2 void UpdateItemAvx2(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
+  UpdateItem<kKind, W, I>(a, begin, end, scratch);
+}
+template <OptimizerKind kKind, typename W, typename I>
+JAXREC_TARGET_AVX512 void UpdateItemAvx512(const UpdateArgs<I>& a, int64_t begin, int64_t end,
+                                           float* scratch) {
+  UpdateItem<kKind, W, I>(a, begin, end, scratch);
+}
+#endif
+
+template <OptimizerKind kKind, typename W, typename I>
+auto SelectUpdateItem() {
+#if JAXREC_HAS_ISA_CLONES
+  switch (CpuIsa()) {
+    case Isa::kAvx512:
+      return &UpdateItemAvx512<kKind, W, I>;
+    case Isa::kAvx2:
+      return &UpdateItemAvx2<kKind, W, I>;
+    case Isa::kBaseline:
+      break;
+  }
+#endif
+  return &UpdateItemBaseline<kKind, W, I>;
+}
+
+template <OptimizerKind kKind, typename W, typename I>
+void FusedUpdate(ffi::ThreadPool& pool, const UpdateArgs<I>& a) {
+  if (a.grad_per_sample_weights != nullptr) {  // positions outside bags stay 0
+    std::memset(a.grad_per_sample_weights, 0, a.num_sorted * sizeof(float));
+  }
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t item = std::clamp<int64_t>(a.num_sorted / (4 * threads), kMinItem, kMaxItem);
+  const auto item_fn = SelectUpdateItem<kKind, W, I>();
+  ParallelFor(pool, (a.num_sorted + item - 1) / item, [&](int64_t k) {
+    thread_local std::vector<float> scratch;
+    if (static_cast<int64_t>(scratch.size()) < 4 * a.max_dim) scratch.resize(4 * a.max_dim);
+    item_fn(a, k * item, std::min(a.num_sorted, (k + 1) * item), scratch.data());
+  });
+}
+
+// Calls fn(std::integral_constant<OptimizerKind, kind>{}) for the `optimizer` attribute.
+template <typename Fn>
+ffi::Error DispatchOptimizer(int32_t optimizer, Fn&& fn) {
+  using K = OptimizerKind;
+  switch (static_cast<K>(optimizer)) {
+    case K::kSgd: return fn(std::integral_constant<K, K::kSgd>{});
+    case K::kAdagrad: return fn(std::integral_constant<K, K::kAdagrad>{});
+    case K::kRowWiseAdagrad: return fn(std::integral_constant<K, K::kRowWiseAdagrad>{});
+    case K::kAdam: return fn(std::integral_constant<K, K::kAdam>{});
+    case K::kPartialRowWiseAdam: return fn(std::integral_constant<K, K::kPartialRowWiseAdam>{});
+    case K::kLamb: return fn(std::integral_constant<K, K::kLamb>{});
+    case K::kPartialRowWiseLamb: return fn(std::integral_constant<K, K::kPartialRowWiseLamb>{});
+    case K::kLarsSgd: return fn(std::integral_constant<K, K::kLarsSgd>{});
+  }
+  return ffi::Error::InvalidArgument("jaxrec_tbe_fused_update: optimizer must be in [0, 7] "
+                                     "(jaxrec.optim's configs in FBGEMM's order), got " +
+                                     std::to_string(optimizer));
+}
+
+ffi::Error Fail(std::string message) {
+  return ffi::Error::InvalidArgument("jaxrec_tbe_fused_update: " + std::move(message));
+}
+
+// The shared validation's errors under this op's name.
+ffi::Error Renamed(ffi::Error error) {
+  constexpr std::string_view kShared = "jaxrec_tbe: ";
+  std::string message = error.message();
+  if (message.rfind(kShared, 0) == 0) message.erase(0, kShared.size());
+  return Fail(std::move(message));
+}
+
+// Copies `from` into `to` unless XLA gave the same buffer (input_output_aliases).
+void CopyUnlessAliased(ffi::ThreadPool& pool, ffi::AnyBuffer from, ffi::AnyBuffer to) {
+  if (from.untyped_data() == to.untyped_data() || from.size_bytes() == 0) return;
+  const char* src = static_cast<const char*>(from.untyped_data());
+  char* dst = static_cast<char*>(to.untyped_data());
+  const int64_t bytes = from.size_bytes();
+  ParallelFor(pool, (bytes + kCopyChunk - 1) / kCopyChunk, [&](int64_t k) {
+    const int64_t begin = k * kCopyChunk;
+    std::memcpy(dst + begin, src + begin, std::min(kCopyChunk, bytes - begin));
+  });
+}
+
+bool IsFloat(ffi::DataType t) {
+  return t == ffi::DataType::F32 || t == ffi::DataType::F16 || t == ffi::DataType::BF16;
+}
+
+// Checks state operand `which` (1 or 2) and its result; `used` and `per_row` from the optimizer.
+ffi::Error CheckState(int which, ffi::AnyBuffer state, ffi::AnyBuffer result, bool used, bool per_row,
+                      int64_t num_weights, int64_t max_key) {
+  const std::string name = "state" + std::to_string(which);
+  if (result.element_type() != state.element_type() || result.element_count() != state.element_count()) {
+    return Fail(name + " result must have the dtype and size of the " + name + " operand");
+  }
+  if (!used) return ffi::Error::Success();
+  if (!IsFloat(state.element_type())) return Fail(name + " must be float32, bfloat16 or float16");
+  const int64_t count = state.element_count();
+  if (per_row ? count <= max_key : count != num_weights) {
+    return Fail(name + " has " + std::to_string(count) + " elements; this optimizer needs " +
+                (per_row ? "one per table row (sum of the tables' rows)"
+                         : "one per weight (" + std::to_string(num_weights) + ")") +
+                "; build it with jaxrec.optim.init_state");
+  }
+  return ffi::Error::Success();
+}
+
+ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
+                             ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
+                             ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
+                             ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
+                             ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
+                             ffi::AnyBuffer hparams, ffi::AnyBuffer step,
+                             ffi::Result<ffi::AnyBuffer> weights_out,
+                             ffi::Result<ffi::AnyBuffer> state1_out,
+                             ffi::Result<ffi::AnyBuffer> state2_out,
+                             ffi::Result<ffi::AnyBuffer> grad_per_sample_weights, int32_t optimizer,
+                             int32_t pooling, int32_t gradient_clipping, int32_t weight_decay_mode,
+                             int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
+  return DispatchIndexType(indices.element_type(), "jaxrec_tbe_fused_update: indices", [&](auto index_zero) {
+    using I = decltype(index_zero);
+    TbeProblem problem;
+    if (ffi::Error error = ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout,
+                                          pooling, &problem);
+        error.failure()) {
+      return Renamed(std::move(error));
+    }
+    if (max_dim != problem.max_dim) {
+      return Fail("max_dim is " + std::to_string(max_dim) + " but the layout's largest dim is " +
+                  std::to_string(problem.max_dim));
+    }
+    if (grad_output.element_type() != ffi::DataType::F32) return Fail("grad_output must be float32");
+    if (ffi::Error error = CheckShape("grad_output", grad_output.dimensions(), problem.out_dims);
+        error.failure()) {
+      return Renamed(std::move(error));
+    }
+    const int64_t n = problem.num_indices;
+    for (ffi::AnyBuffer sorted : {sorted_keys, sorted_positions, sorted_bags}) {
+      if (sorted.element_type() != indices.element_type() ||
+          static_cast<int64_t>(sorted.element_count()) != n) {
+        return Fail("sorted_keys, sorted_positions and sorted_bags must have the dtype and size of "
+                    "indices (" + std::to_string(n) + ")");
+      }
+    }
+    if (hparams.element_type() != ffi::DataType::F32 || hparams.element_count() != 9) {
+      return Fail("hparams must be float32[9] (OptimizerHyperparams' fields in order)");
+    }
+    if (step.element_type() != ffi::DataType::S32 || step.element_count() != 1) {
+      return Fail("step must be an int32 scalar");
+    }
+    if (weight_decay_mode < 0 || weight_decay_mode > 2) {
+      return Fail("weight_decay_mode must be 0 (none), 1 (l2) or 2 (decoupled), got " +
+                  std::to_string(weight_decay_mode));
+    }
+    if (weights_out->element_type() != weights.element_type() ||
+        weights_out->element_count() != weights.element_count()) {
+      return Fail("the weights result must have the dtype and size of weights");
+    }
+    if (grad_per_sample_weights->element_type() != ffi::DataType::F32 ||
+        grad_per_sample_weights->element_count() != per_sample_weights.element_count()) {
+      return Fail("grad_per_sample_weights must be float32 like per_sample_weights (" +
+                  std::to_string(per_sample_weights.element_count()) + " elements)");
+    }
+    // Keys are sorted, sentinels last: the largest row key precedes the first sentinel.
+    const I* keys = sorted_keys.typed_data<I>();
+    const int64_t num_keys =
+        std::lower_bound(keys, keys + n, std::numeric_limits<I>::max()) - keys;
+    if (num_keys > 0 && keys[0] < 0) return Fail("sorted_keys must be >= 0");
+    const int64_t max_key = num_keys > 0 ? keys[num_keys - 1] : -1;
+
+    return DispatchOptimizer(optimizer, [&](auto kind) {
+      constexpr OptimizerKind kKind = decltype(kind)::value;
+      if (ffi::Error error = CheckState(1, state1, *state1_out, NumStates(kKind) >= 1, State1PerRow(kKind),
+                                        weights.element_count(), max_key);
+          error.failure()) {
+        return error;
+      }
+      if (ffi::Error error = CheckState(2, state2, *state2_out, NumStates(kKind) >= 2, State2PerRow(kKind),
+                                        weights.element_count(), max_key);
+          error.failure()) {
+        return error;
+      }
+      // XLA hands aliased results over holding the operands' data; copy where it did not alias.
+      CopyUnlessAliased(pool, weights, *weights_out);
+      CopyUnlessAliased(pool, state1, *state1_out);
+      CopyUnlessAliased(pool, state2, *state2_out);
+
+      const int32_t t = step.typed_data<int32_t>()[0] + 1;
+      const UpdateArgs<I> args{
+          grad_output.typed_data<float>(),
+          indices.typed_data<I>(),
+          offsets.typed_data<I>(),
+          problem.weighted ? per_sample_weights.typed_data<float>() : nullptr,
+          keys,
+          sorted_positions.typed_data<I>(),
+          sorted_bags.typed_data<I>(),
+          n,
+          problem.layout,
+          problem.batch_size,
+          problem.total_dim,
+          problem.max_dim,
+          problem.pooling,
+          weights_out->untyped_data(),
+          {NumStates(kKind) >= 1 ? state1_out->untyped_data() : nullptr, state1.element_type()},
+          {NumStates(kKind) >= 2 ? state2_out->untyped_data() : nullptr, state2.element_type()},
+          problem.weighted ? grad_per_sample_weights->typed_data<float>() : nullptr,
+          RowUpdateArgs{Hyperparams::Load(hparams.typed_data<float>()), static_cast<float>(t), 0.0f,
+                        gradient_clipping != 0, static_cast<WeightDecayMode>(weight_decay_mode)},
+          stochastic_rounding != 0,
+          static_cast<uint32_t>(seed),
+          static_cast<uint32_t>(t)};
+      return DispatchFloatType(weights.element_type(), "jaxrec_tbe_fused_update: weights",
+                               [&](auto weight_zero) {
+                                 FusedUpdate<kKind, decltype(weight_zero), I>(pool, args);
+                                 return ffi::Error::Success();
+                               });
+    });
+  });
+}
+
+}  // namespace
+}  // namespace cpu
+}  // namespace jaxrec
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCpu, jaxrec::cpu::TbeFusedUpdateCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::ThreadPool>()
+                                  .Arg<xla::ffi::AnyBuffer>()  // grad_output
+                                  .Arg<xla::ffi::AnyBuffer>()  // weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // indices
+                                  .Arg<xla::ffi::AnyBuffer>()  // offsets
+                                  .Arg<xla::ffi::AnyBuffer>()  // per_sample_weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // layout
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_keys
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_positions
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_bags
+                                  .Arg<xla::ffi::AnyBuffer>()  // state1
+                                  .Arg<xla::ffi::AnyBuffer>()  // state2
+                                  .Arg<xla::ffi::AnyBuffer>()  // hparams
+                                  .Arg<xla::ffi::AnyBuffer>()  // step
+                                  .Ret<xla::ffi::AnyBuffer>()  // weights (aliases operand 1)
+                                  .Ret<xla::ffi::AnyBuffer>()  // state1 (aliases operand 9)
+                                  .Ret<xla::ffi::AnyBuffer>()  // state2 (aliases operand 10)
+                                  .Ret<xla::ffi::AnyBuffer>()  // grad_per_sample_weights
+                                  .Attr<int32_t>("optimizer")
+                                  .Attr<int32_t>("pooling")
+                                  .Attr<int32_t>("gradient_clipping")
+                                  .Attr<int32_t>("weight_decay_mode")
+                                  .Attr<int32_t>("stochastic_rounding")
+                                  .Attr<int32_t>("seed")
+                                  .Attr<int32_t>("max_dim"));  // the layout's largest dim

@@ -1,0 +1,387 @@
+// CUDA handler of jaxrec_tbe_fused_update: the TBE backward with the optimizer fused
+// in. The table gradient is never materialised: each touched row is updated in place.
+//
+// As in the backward, the Python wrapper sorts the (row key, position) pairs with XLA's
+// sort (a CUB radix sort) and hands over each sorted position's bag. One warp per run
+// of equal keys then
+//   1. sums the run's gradient rows in sorted order into registers (4 columns per lane,
+//      kChunks chunks of 128 columns: the whole row stays in the warp),
+//   2. loads the row's weights and optimizer state, applies UpdateRow
+//      (common/fused_optimizer.h; row sums are warp shuffles), and
+//   3. stores the row and its state once.
+// No atomics: deterministic run to run. The weights and state arrive as results that
+// alias their operands (input_output_aliases), so under buffer donation the update is
+// in place; the handler reads them from the result buffers.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <type_traits>
+
+#include "common/ffi_util.h"
+#include "common/fused_optimizer.h"
+#include "common/tbe.h"
+#include "cuda/tbe_backward_common.cuh"
+#include "cuda/tbe_util.cuh"
+
+namespace jaxrec {
+namespace {
+
+constexpr int kMaxChunks = 8;  // dims up to 8 * 128 = 1024 columns
+
+// A state buffer of runtime dtype (float32, bfloat16 or float16); the branch is uniform.
+struct StateBuffer {
+  void* data;
+  ffi::DataType dtype;
+
+  template <typename T>
+  __device__ __forceinline__ T* As() const { return static_cast<T*>(data); }
+
+  __device__ __forceinline__ float4 Load4(int64_t i, int count) const {
+    switch (dtype) {
+      case ffi::DataType::BF16: return LoadAny4(As<__nv_bfloat16>() + i, count);
+      case ffi::DataType::F16: return LoadAny4(As<__half>() + i, count);
+      default: return LoadAny4(As<float>() + i, count);
+    }
+  }
+  __device__ __forceinline__ void Store4(int64_t i, float4 v, int count) const {
+    switch (dtype) {
+      case ffi::DataType::BF16: StoreAny4(As<__nv_bfloat16>() + i, v, count); break;
+      case ffi::DataType::F16: StoreAny4(As<__half>() + i, v, count); break;
+      default: StoreAny4(As<float>() + i, v, count);
+    }
+  }
+  __device__ __forceinline__ float Load(int64_t i) const {
+    switch (dtype) {
+      case ffi::DataType::BF16: return ToFloat(As<__nv_bfloat16>()[i]);
+      case ffi::DataType::F16: return ToFloat(As<__half>()[i]);
+      default: return As<float>()[i];
+    }
+  }
+  __device__ __forceinline__ void Store(int64_t i, float v) const {
+    switch (dtype) {
+      case ffi::DataType::BF16: As<__nv_bfloat16>()[i] = FromFloat<__nv_bfloat16>(v); break;
+      case ffi::DataType::F16: As<__half>()[i] = FromFloat<__half>(v); break;
+      default: As<float>()[i] = v;
+    }
+  }
+};
+
+struct FusedArgs {
+  BackwardArgs grad;
+  const float* hparams;  // float32[9], device
+  const int32_t* step;   // updates so far, device
+  StateBuffer state1, state2;
+  bool gradient_clipping;
+  WeightDecayMode weight_decay_mode;
+  bool stochastic_rounding;
+  uint32_t seed;
+};
+
+// The row as one warp holds it: element i of lane `lane` is column 128 * (i / 4) + 4 * lane + i % 4.
+template <int kChunks>
+struct WarpRow {
+  float w[4 * kChunks], g[4 * kChunks], s1[4 * kChunks], s2[4 * kChunks];
+  int64_t dim;
+  int lane;
+
+  __device__ static constexpr int Size() { return 4 * kChunks; }
+  __device__ __forceinline__ int64_t Column(int i) const { return 128 * (i / 4) + 4 * lane + i % 4; }
+  __device__ __forceinline__ bool valid(int i) const { return Column(i) < dim; }
+  __device__ __forceinline__ float Reduce(float x) const {
+#pragma unroll
+    for (int s = kWarpSize / 2; s > 0; s /= 2) x += __shfl_xor_sync(0xffffffff, x, s);
+    return x;  // every lane holds the same sum (each butterfly step adds a pair both ways)
+  }
+};
+
+__device__ __forceinline__ void Put4(float* dst, float4 v) {
+  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+}
+__device__ __forceinline__ float4 Get4(const float* src) { return make_float4(src[0], src[1], src[2], src[3]); }
+
+template <typename W>
+__device__ __forceinline__ float4 RoundStochastic4(float4 v, const FusedArgs& a, uint32_t step,
+                                                   int64_t key, int64_t column) {
+  constexpr int kDrop = sizeof(W) == 2 ? (std::is_same_v<W, __nv_bfloat16> ? 16 : 13) : 0;
+  if constexpr (kDrop == 0) {
+    return v;
+  } else {
+    return make_float4(StochasticRound(v.x, RoundingBits(a.seed, step, key, column), kDrop),
+                       StochasticRound(v.y, RoundingBits(a.seed, step, key, column + 1), kDrop),
+                       StochasticRound(v.z, RoundingBits(a.seed, step, key, column + 2), kDrop),
+                       StochasticRound(v.w, RoundingBits(a.seed, step, key, column + 3), kDrop));
+  }
+}
+
+template <OptimizerKind kKind, int kChunks, typename W, typename I>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ indices,
+                const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
+  const BackwardArgs& ga = a.grad;
+  const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  WarpRow<kChunks> row;
+  row.lane = threadIdx.x % kWarpSize;
+  if (i >= ga.num_indices) return;
+  const I key = sorted_keys[i];
+  if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
+
+  const int64_t f0 = sorted_bags[i] / ga.batch_size;
+  row.dim = ga.dims[f0];
+  const int64_t row_start = ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
+
+  // 1. The row's summed gradient, in sorted order.
+#pragma unroll
+  for (int e = 0; e < row.Size(); ++e) row.g[e] = 0.f;
+  for (int64_t j = i; j < ga.num_indices && sorted_keys[j] == key; ++j) {
+    const I p = sorted_positions[j];
+    const int64_t bag = sorted_bags[j];
+    const float scale = PositionScale(ga, offsets, bag, p);
+    const float* g = GradRow(ga, grad, bag, bag / ga.batch_size, p);
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int64_t c = 128 * k + 4 * row.lane;
+      if (c < row.dim) {
+        float4 acc = Get4(row.g + 4 * k);
+        Fma4(acc, scale, LoadAny4(g + c, ColumnsLeft(row.dim, c)));
+        Put4(row.g + 4 * k, acc);
+      }
+    }
+  }
+
+  // 2. Weights and state in, the optimizer, 3. out.
+  constexpr bool kS1Row = State1PerRow(kKind), kS2Row = State2PerRow(kKind);
+  constexpr int kStates = NumStates(kKind);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t c = 128 * k + 4 * row.lane;
+    const bool in = c < row.dim;
+    const int count = in ? ColumnsLeft(row.dim, c) : 0;
+    Put4(row.w + 4 * k, in ? LoadAny4(weights + row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+    if constexpr (kStates >= 1 && !kS1Row) {
+      Put4(row.s1 + 4 * k, in ? a.state1.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+    if constexpr (kStates >= 2 && !kS2Row) {
+      Put4(row.s2 + 4 * k, in ? a.state2.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+  }
+  float s1_row = 0.f, s2_row = 0.f;
+  if constexpr (kS1Row) s1_row = a.state1.Load(key);
+  if constexpr (kS2Row) s2_row = a.state2.Load(key);
+
+  RowUpdateArgs ua;
+  ua.h = Hyperparams::Load(a.hparams);
+  const int32_t new_step = *a.step + 1;
+  ua.step = static_cast<float>(new_step);
+  ua.dim = static_cast<float>(row.dim);
+  ua.gradient_clipping = a.gradient_clipping;
+  ua.weight_decay_mode = a.weight_decay_mode;
+  UpdateRow<kKind>(row, ua, s1_row, s2_row);
+
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t c = 128 * k + 4 * row.lane;
+    if (c >= row.dim) continue;
+    const int count = ColumnsLeft(row.dim, c);
+    float4 w = Get4(row.w + 4 * k);
+    if (a.stochastic_rounding) w = RoundStochastic4<W>(w, a, static_cast<uint32_t>(new_step), key, c);
+    StoreAny4(weights + row_start + c, w, count);
+    if constexpr (kStates >= 1 && !kS1Row) a.state1.Store4(row_start + c, Get4(row.s1 + 4 * k), count);
+    if constexpr (kStates >= 2 && !kS2Row) a.state2.Store4(row_start + c, Get4(row.s2 + 4 * k), count);
+  }
+  if (row.lane == 0) {
+    if constexpr (kS1Row) a.state1.Store(key, s1_row);
+    if constexpr (kS2Row) a.state2.Store(key, s2_row);
+  }
+}
+
+ffi::Error Check(cudaError_t err, const char* what) {
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("jaxrec_tbe_fused_update: ") + what + ": " +
+                              cudaGetErrorString(err));
+}
+
+ffi::Error Invalid(const std::string& message) {
+  return ffi::Error::InvalidArgument("jaxrec_tbe_fused_update: " + message);
+}
+
+// Copies an operand into its result when XLA did not alias the two buffers.
+ffi::Error CopyIfNotAliased(cudaStream_t stream, const ffi::AnyBuffer& in, void* out, const char* what) {
+  if (in.untyped_data() == out || in.size_bytes() == 0) return ffi::Error::Success();
+  return Check(cudaMemcpyAsync(out, in.untyped_data(), in.size_bytes(), cudaMemcpyDeviceToDevice, stream),
+               what);
+}
+
+struct Launch {
+  cudaStream_t stream;
+  unsigned blocks;
+  const float* grad;
+  void* weights;
+  const void* indices;
+  const void* offsets;
+  const void* sorted_keys;
+  const void* sorted_positions;
+  const void* sorted_bags;
+};
+
+template <OptimizerKind kKind, typename W, typename I>
+void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
+  const auto launch = [&](auto kernel) {
+    kernel<<<l.blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
+        l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.indices),
+        static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
+        static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
+  };
+  if (chunks <= 1) {
+    launch(FusedUpdate<kKind, 1, W, I>);
+  } else if (chunks <= 4) {
+    launch(FusedUpdate<kKind, 4, W, I>);
+  } else {
+    launch(FusedUpdate<kKind, kMaxChunks, W, I>);
+  }
+}
+
+template <typename W, typename I>
+ffi::Error DispatchKind(int32_t kind, const Launch& l, int chunks, const FusedArgs& a) {
+  switch (static_cast<OptimizerKind>(kind)) {
+    case OptimizerKind::kSgd: LaunchFused<OptimizerKind::kSgd, W, I>(l, chunks, a); break;
+    case OptimizerKind::kAdagrad: LaunchFused<OptimizerKind::kAdagrad, W, I>(l, chunks, a); break;
+    case OptimizerKind::kRowWiseAdagrad: LaunchFused<OptimizerKind::kRowWiseAdagrad, W, I>(l, chunks, a); break;
+    case OptimizerKind::kAdam: LaunchFused<OptimizerKind::kAdam, W, I>(l, chunks, a); break;
+    case OptimizerKind::kPartialRowWiseAdam: LaunchFused<OptimizerKind::kPartialRowWiseAdam, W, I>(l, chunks, a); break;
+    case OptimizerKind::kLamb: LaunchFused<OptimizerKind::kLamb, W, I>(l, chunks, a); break;
+    case OptimizerKind::kPartialRowWiseLamb: LaunchFused<OptimizerKind::kPartialRowWiseLamb, W, I>(l, chunks, a); break;
+    case OptimizerKind::kLarsSgd: LaunchFused<OptimizerKind::kLarsSgd, W, I>(l, chunks, a); break;
+    default: return Invalid("unknown optimizer " + std::to_string(kind));
+  }
+  return Check(cudaGetLastError(), "fused update");
+}
+
+ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> grad, ffi::AnyBuffer weights,
+                              ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
+                              ffi::Buffer<ffi::F32> per_sample_weights, ffi::Buffer<ffi::S32> layout,
+                              ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
+                              ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
+                              ffi::Buffer<ffi::F32> hparams, ffi::Buffer<ffi::S32> step,
+                              ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
+                              ffi::Result<ffi::AnyBuffer> state2_out,
+                              ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t optimizer,
+                              int32_t pooling, int32_t gradient_clipping, int32_t weight_decay_mode,
+                              int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
+  const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
+  const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
+  const ffi::DataType index_type = indices.element_type();
+  if (num_features == 0 || num_bags % num_features != 0 || offsets.element_type() != index_type ||
+      sorted_keys.element_type() != index_type || sorted_positions.element_type() != index_type ||
+      sorted_bags.element_type() != index_type) {
+    return Invalid("offsets (T*B+1) and the sorted keys/positions/bags must use the indices' dtype");
+  }
+  if (hparams.element_count() != 9 || step.element_count() != 1) {
+    return Invalid("hparams must be float32[9] and step an int32 scalar");
+  }
+  const auto kind = static_cast<OptimizerKind>(optimizer);
+  if (optimizer < 0 || optimizer > static_cast<int32_t>(OptimizerKind::kLarsSgd)) {
+    return Invalid("unknown optimizer " + std::to_string(optimizer));
+  }
+  if ((NumStates(kind) >= 1 && state1.element_count() == 0) ||
+      (NumStates(kind) >= 2 && state2.element_count() == 0)) {
+    return Invalid("the optimizer's state buffers are missing");
+  }
+
+  const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
+  FusedArgs a;
+  BackwardArgs& ga = a.grad;
+  ga.table_offsets = packed;
+  ga.dims = packed + num_features;
+  ga.output_offsets = packed + 3 * num_features;
+  ga.num_features = num_features;
+  ga.batch_size = num_bags / num_features;
+  ga.num_indices = indices.element_count();
+  const auto grad_dims = grad.dimensions();
+  ga.grad_row_width = grad_dims.size() == 2 ? grad_dims[1] : 0;
+  ga.per_sample_weights = per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
+  ga.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
+  ga.sequence = pooling == static_cast<int32_t>(PoolingMode::kNone);
+  a.hparams = hparams.typed_data();
+  a.step = step.typed_data();
+  a.state1 = {state1_out->untyped_data(), state1.element_type()};
+  a.state2 = {state2_out->untyped_data(), state2.element_type()};
+  a.gradient_clipping = gradient_clipping != 0;
+  a.weight_decay_mode = static_cast<WeightDecayMode>(weight_decay_mode);
+  a.stochastic_rounding = stochastic_rounding != 0;
+  a.seed = static_cast<uint32_t>(seed);
+
+  for (auto [in, out, what] : {std::tuple{&weights, weights_out->untyped_data(), "weights copy"},
+                               std::tuple{&state1, state1_out->untyped_data(), "state1 copy"},
+                               std::tuple{&state2, state2_out->untyped_data(), "state2 copy"}}) {
+    if (ffi::Error e = CopyIfNotAliased(stream, *in, out, what); e.failure()) return e;
+  }
+  float* gpsw = grad_psw->element_count() > 0 ? grad_psw->typed_data() : nullptr;
+  if (gpsw != nullptr) {
+    if (ffi::Error e = Check(cudaMemsetAsync(gpsw, 0, grad_psw->size_bytes(), stream), "memset");
+        e.failure()) {
+      return e;
+    }
+  }
+  if (ga.num_indices == 0 || ga.batch_size == 0) return ffi::Error::Success();
+  const unsigned blocks = static_cast<unsigned>((ga.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const int chunks = static_cast<int>((max_dim + 127) / 128);
+  if (chunks > kMaxChunks) return Invalid("dims above 1024 are not supported by the fused kernel");
+  const Launch l{stream, blocks, grad.typed_data(), weights_out->untyped_data(), indices.untyped_data(),
+                 offsets.untyped_data(), sorted_keys.untyped_data(), sorted_positions.untyped_data(),
+                 sorted_bags.untyped_data()};
+
+  return DispatchIndexType(index_type, "indices", [&](auto zero) {
+    using I = decltype(zero);
+    const auto run = [&](auto weight_zero) {
+      using W = decltype(weight_zero);
+      if (gpsw != nullptr) {  // reads the weights before the update below changes them
+        PerSampleWeightGradients<float, W, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
+            grad.typed_data(), static_cast<const W*>(l.weights), indices.typed_data<I>(),
+            offsets.typed_data<I>(), gpsw, ga);
+        if (ffi::Error e = Check(cudaGetLastError(), "per-sample weight gradients"); e.failure()) return e;
+      }
+      return DispatchKind<W, I>(optimizer, l, chunks, a);
+    };
+    switch (weights.element_type()) {
+      case ffi::DataType::F32: return run(float{});
+      case ffi::DataType::F16: return run(__half{});
+      case ffi::DataType::BF16: return run(__nv_bfloat16{});
+      default: return Invalid("weights must be f32, f16 or bf16");
+    }
+  });
+}
+
+}  // namespace
+}  // namespace jaxrec
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCuda, jaxrec::TbeFusedUpdateCuda,
+                              xla::ffi::Ffi::Bind()
+                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_output
+                                  .Arg<xla::ffi::AnyBuffer>()              // weights
+                                  .Arg<xla::ffi::AnyBuffer>()              // indices
+                                  .Arg<xla::ffi::AnyBuffer>()              // offsets
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // per_sample_weights
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layout
+                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_keys
+                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_positions
+                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_bags
+                                  .Arg<xla::ffi::AnyBuffer>()              // state1
+                                  .Arg<xla::ffi::AnyBuffer>()              // state2
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // hparams
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
+                                  .Ret<xla::ffi::AnyBuffer>()              // weights (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()              // state1 (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()              // state2 (aliased)
+                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_per_sample_weights
+                                  .Attr<int32_t>("optimizer")
+                                  .Attr<int32_t>("pooling")
+                                  .Attr<int32_t>("gradient_clipping")
+                                  .Attr<int32_t>("weight_decay_mode")
+                                  .Attr<int32_t>("stochastic_rounding")
+                                  .Attr<int32_t>("seed")
+                                  .Attr<int32_t>("max_dim"));

@@ -1,0 +1,196 @@
+"""Tables whose optimizer runs inside the backward: ``FusedEmbeddingTables`` + ``fused_lookup``.
+
+The ``custom_vjp`` form of the fused update (the jax-tpu-embedding pattern): the
+backward of ``fused_lookup`` applies the optimizer to the touched rows, in place, and
+hands the *updated* tables back where a gradient would go. Only
+``fused_value_and_grad`` / ``make_train_step`` (partitioned.py) may differentiate it:
+they know that this "gradient" replaces the tables, and they guard the two traps of the
+pattern:
+
+- a lookup whose output does not reach the loss is never differentiated (JAX skips its
+  backward), so its tables come back exactly unchanged — not as zeros;
+- one tables object looked up twice in one loss would produce two "updated tables"
+  that JAX would add; that raises an error. Put all features of a table in one lookup
+  (one ``TableLayout`` may map many features to one table).
+
+``jax.grad`` outside them raises, since a plain optimizer would read an updated table as
+a gradient. For tables trained by optax, use ``embedding_bag_lookup`` (FBGEMM's NONE).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
+from jaxrec.ops.tbe import embedding_bag_lookup
+from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode, init_weights
+from jaxrec.optim import _configs as C
+from jaxrec.optim._state import init_state, split_optimizer_states
+from jaxrec.optim.fused_update import _fused_update
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["weights", "state", "hparams"],
+                   meta_fields=["layout", "config", "name"])
+@dataclasses.dataclass(frozen=True)
+class FusedEmbeddingTables:
+    """All tables of a ``TableLayout`` with their fused optimizer: a pytree.
+
+    ``weights`` (the flat buffer), ``state`` (``init_state``) and ``hparams`` (traced
+    numbers) are its leaves; ``layout``, ``config`` and ``name`` are static. ``name``
+    tells tables apart inside one loss (each must be unique there).
+    """
+
+    weights: jax.Array
+    state: object
+    hparams: C.OptimizerHyperparams
+    layout: TableLayout
+    config: C.OptimizerConfig
+    name: str = "tables"
+
+    @classmethod
+    def create(cls, layout: TableLayout, config: C.OptimizerConfig, *, key=None, weights=None,
+               dtype=jnp.float32, name: str = "tables") -> FusedEmbeddingTables:
+        """New tables: ``weights`` as given, else ``init_weights(key, layout, dtype)``; zero state."""
+        if isinstance(config, C.NoOptimizer) or not isinstance(config, C.OptimizerConfig):
+            raise TypeError(f"config must be a fused optimizer config (SGD, RowWiseAdagrad, ...), got "
+                            f"{type(config).__name__}; NoOptimizer tables are plain embedding_bag_lookup "
+                            "weights trained by optax")
+        if weights is None:
+            if key is None:
+                raise ValueError("FusedEmbeddingTables.create needs key= (to initialise the "
+                                 "weights) or weights=")
+            weights = init_weights(key, layout, dtype)
+        return cls(jnp.asarray(weights), init_state(config, layout), config.hyperparams(), layout,
+                   config, name)
+
+    @property
+    def step(self) -> jax.Array:
+        """Fused updates applied so far (FBGEMM's ``iter``)."""
+        return self.state.step
+
+    def split_embedding_weights(self) -> list[jax.Array]:
+        """Per-table ``[rows, dim]`` views of the weights."""
+        return self.layout.split_embedding_weights(self.weights)
+
+    def split_optimizer_states(self) -> list[dict[str, jax.Array]]:
+        """Per-table views of the optimizer state (``{name: [rows, dim] or [rows]}``)."""
+        return split_optimizer_states(self.config, self.layout, self.state)
+
+    def set_learning_rate(self, learning_rate) -> FusedEmbeddingTables:
+        """The same tables with a new learning rate (a traced value is fine: no recompile)."""
+        return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
+
+    def set_hyperparams(self, **values) -> FusedEmbeddingTables:
+        """The same tables with new numbers, e.g. ``eps=1e-6`` (fields of OptimizerHyperparams)."""
+        unknown = set(values) - set(C.OptimizerHyperparams._fields)
+        if unknown:
+            raise ValueError(f"unknown hyperparameters {sorted(unknown)}; the fields are "
+                             f"{C.OptimizerHyperparams._fields}")
+        values = {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
+        return dataclasses.replace(self, hparams=self.hparams._replace(**values))
+
+
+def fused_lookup(tables: FusedEmbeddingTables, indices: jax.Array, offsets: jax.Array, *,
+                 pooling: PoolingMode | int = PoolingMode.SUM, per_sample_weights=None,
+                 output_dtype=jnp.float32,
+                 bounds_check_mode: BoundsCheckMode | int | str = BoundsCheckMode.WARNING,
+                 backend: str = "auto") -> jax.Array:
+    """``embedding_bag_lookup`` of ``tables`` whose backward is the fused update (module doc).
+
+    Differentiate it with ``fused_value_and_grad`` or ``make_train_step`` only.
+    """
+    if not isinstance(tables, FusedEmbeddingTables):
+        raise TypeError(f"tables must be FusedEmbeddingTables, got {type(tables).__name__}")
+    layout = tables.layout
+    pooling = as_pooling_mode(pooling)
+    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    if as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE:
+        indices, offsets, _ = bounds_check_indices(
+            layout.feature_rows, indices, offsets, bounds_check_mode,
+            table_names=[str(t) for t in layout.feature_table_map], backend=backend)
+    weighted = per_sample_weights is not None
+    psw = jnp.asarray(per_sample_weights) if weighted else jnp.zeros((0,), jnp.float32)
+    spec = _Spec(layout, tables.config, tables.name, pooling, jnp.dtype(output_dtype).name,
+                 weighted, backend)
+    return _lookup(spec)(tables, psw, indices, offsets)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Spec:
+    layout: TableLayout
+    config: C.OptimizerConfig
+    name: str
+    pooling: PoolingMode
+    output_dtype: str
+    weighted: bool
+    backend: str
+
+
+@functools.cache
+def _lookup(spec: _Spec):
+    def forward_only(tables, psw, indices, offsets):
+        return embedding_bag_lookup(tables.weights, indices, offsets, layout=spec.layout,
+                                    pooling=spec.pooling,
+                                    per_sample_weights=psw if spec.weighted else None,
+                                    output_dtype=spec.output_dtype,
+                                    bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend)
+
+    lookup = jax.custom_vjp(forward_only)
+
+    def forward(tables, psw, indices, offsets):
+        return forward_only(tables, psw, indices, offsets), (tables, psw, indices, offsets)
+
+    def backward(residuals, grad_output):
+        tables, psw, indices, offsets = residuals
+        _record_update(spec.name)
+        weights, state, grad_psw = _fused_update(
+            tables.weights, tables.state, grad_output, indices, offsets, layout=spec.layout,
+            config=spec.config, hparams=tables.hparams, pooling=spec.pooling,
+            per_sample_weights=psw if spec.weighted else None,
+            bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend, skip_bounds_check=True)
+        # The updated tables take the place of the gradient; the int step has none (its
+        # increment is applied by fused_value_and_grad), nor do the hyperparameters.
+        updated = dataclasses.replace(
+            tables, weights=weights,
+            state=state._replace(step=np.zeros((), jax.dtypes.float0)),
+            hparams=jax.tree.map(jnp.zeros_like, tables.hparams))
+        return updated, (grad_psw if spec.weighted else jnp.zeros_like(psw)), None, None
+
+    lookup.defvjp(forward, backward)
+    return lookup
+
+
+# --- which tables the backward updated, while fused_value_and_grad traces ------------
+
+_recording = threading.local()
+
+
+@contextlib.contextmanager
+def record_updates():
+    """Counts, per tables name, the fused backwards traced inside the block (partitioned.py)."""
+    stack = _recording.__dict__.setdefault("stack", [])
+    counts: dict[str, int] = {}
+    stack.append(counts)
+    try:
+        yield counts
+    finally:
+        stack.pop()
+
+
+def _record_update(name: str) -> None:
+    stack = getattr(_recording, "stack", [])
+    if not stack:
+        raise RuntimeError(
+            "fused_lookup was differentiated outside jaxrec.optim.fused_value_and_grad / "
+            "make_train_step. Its backward returns the *updated* tables in place of a gradient, "
+            "which a plain optimizer would misread. Use those two, or embedding_bag_lookup for "
+            "tables trained by optax.")
+    stack[-1][name] = stack[-1].get(name, 0) + 1

@@ -1,0 +1,248 @@
+"""The fused update kernels (CPU, and CUDA on the device) against the jnp reference.
+
+Every optimizer x weight dtype x pooling x weighted, on tables shared by two features,
+with duplicate ids, empty bags, odd dims and padding after the last offset, over
+several consecutive steps from a random (non-zero) state. Rows outside the batch must
+stay bit-identical.
+"""
+
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from jaxrec import optim
+from jaxrec.ops import PoolingMode, TableLayout, embedding_bag_lookup
+from jaxrec.optim import fused_update
+from jaxrec.optim.fused_update import _fused_update
+from optim_testing import LAYOUT, from_jax, make, random_batch, random_tables, to_jax
+
+# Features 0 and 2 share table 0: one dim, for pooling NONE.
+SEQ_LAYOUT = TableLayout(rows=(23, 9), dims=(8, 8), feature_table_map=(0, 1, 0))
+STEPS = 3
+
+CONFIGS = {
+    "sgd": make(optim.SGD),
+    "sgd_clip_max_norm": make(optim.SGD, gradient_clipping=True, max_gradient=0.3, max_norm=0.4),
+    "adagrad": make(optim.Adagrad),
+    "rowwise_adagrad": make(optim.RowWiseAdagrad),
+    "rowwise_adagrad_l2": make(optim.RowWiseAdagrad, weight_decay_mode="l2", max_norm=0.5),
+    "rowwise_adagrad_decoupled": make(optim.RowWiseAdagrad, weight_decay_mode="decoupled",
+                                      gradient_clipping=True, max_gradient=0.2),
+    "adam": make(optim.Adam),
+    "partial_rowwise_adam": make(optim.PartialRowWiseAdam),
+    "lamb": make(optim.LAMB),
+    "partial_rowwise_lamb": make(optim.PartialRowWiseLAMB),
+    "lars_sgd": make(optim.LarsSGD),
+}
+BATCHES = [(PoolingMode.SUM, False), (PoolingMode.SUM, True), (PoolingMode.MEAN, False),
+           (PoolingMode.MEAN, True), (PoolingMode.NONE, False)]
+CASES = ([(name, jnp.float32, p, w) for name in CONFIGS for p, w in BATCHES]
+         + [(name, dtype, p, w) for name in CONFIGS for dtype in (jnp.float16, jnp.bfloat16)
+            for p, w in ((PoolingMode.SUM, False), (PoolingMode.MEAN, True))])
+ULP = {jnp.float32: 1e-5, jnp.float16: 2.0**-10, jnp.bfloat16: 2.0**-7}
+
+
+@functools.cache
+def _step(config, layout, pooling, weighted, backend):
+    @jax.jit
+    def step(weights, state, grad_output, indices, offsets, psw):
+        return _fused_update(weights, state, grad_output, indices, offsets, layout=layout,
+                             config=config, hparams=None, pooling=pooling,
+                             per_sample_weights=psw if weighted else None,
+                             bounds_check_mode="fatal", backend=backend)
+    return step
+
+
+def random_inputs(rng, config, layout, pooling, weighted, weight_dtype, state_dtype=None):
+    """Random weights and non-zero state (squares positive), built in NumPy: few eager ops."""
+    weights = np.concatenate([rng.normal(0.0, 0.3, size=r * d) for r, d in zip(layout.rows, layout.dims)])
+    state = optim.init_state(config, layout, state_dtype)
+    buffers = {}
+    for name in config.state_type._fields[1:]:
+        x = rng.normal(0.0, 0.1, size=getattr(state, name).shape)
+        x = np.abs(x) if name in ("momentum1", "exp_avg_sq") else x
+        buffers[name] = jnp.asarray(x.astype(np.float32), getattr(state, name).dtype)
+    return (jnp.asarray(weights.astype(np.float32), weight_dtype),
+            config.state_type(step=jnp.asarray(5, jnp.int32), **buffers))
+
+
+def random_step_batch(rng, layout, pooling, weighted):
+    indices, offsets, grad_output = random_batch(rng, layout)
+    if pooling == PoolingMode.NONE:
+        grad_output = rng.normal(size=(indices.shape[0], layout.dims[0])).astype(np.float32)
+    psw = rng.normal(size=indices.shape).astype(np.float32)
+    return grad_output, indices, offsets, psw
+
+
+def touched_mask(layout, batches):
+    """bool[num_weights]: the elements of every row some batch reads."""
+    mask = np.zeros(layout.num_weights, bool)
+    for _, indices, offsets, _ in batches:
+        batch_size = (len(offsets) - 1) // layout.num_features
+        for k in range(len(offsets) - 1):
+            f = k // batch_size
+            t = layout.feature_table_map[f]
+            for p in range(offsets[k], offsets[k + 1]):
+                start = layout.table_offsets[t] + int(indices[p]) * layout.dims[t]
+                mask[start:start + layout.dims[t]] = True
+    return mask
+
+
+@pytest.mark.parametrize("name, weight_dtype, pooling, weighted", CASES,
+                         ids=[f"{n}-{jnp.dtype(d).name}-{p.name}-{'w' if w else 'u'}" for n, d, p, w in CASES])
+def test_kernel_equals_reference(platform, name, weight_dtype, pooling, weighted):
+    config = CONFIGS[name]
+    layout = SEQ_LAYOUT if pooling == PoolingMode.NONE else LAYOUT
+    rng = np.random.default_rng(abs(hash((name, jnp.dtype(weight_dtype).name, int(pooling), weighted))) % 2**31)
+    w0, s0 = random_inputs(rng, config, layout, pooling, weighted, weight_dtype)
+    kernel = _step(config, layout, pooling, weighted, "kernel")
+    reference = _step(config, layout, pooling, weighted, "reference")
+    wk, sk, wr, sr = w0, s0, w0, s0
+    batches = []
+    for _ in range(STEPS):
+        batch = random_step_batch(rng, layout, pooling, weighted)
+        batches.append(batch)
+        wk, sk, gk = kernel(wk, sk, *batch)
+        wr, sr, gr = reference(wr, sr, *batch)
+        if weighted:
+            np.testing.assert_allclose(gk, gr, rtol=1e-4, atol=1e-5)
+        # Compare step by step from the same point, so 16-bit rounding does not drift apart.
+        tol = ULP[weight_dtype]
+        np.testing.assert_allclose(np.asarray(wk, np.float32), np.asarray(wr, np.float32),
+                                   rtol=2 * tol, atol=2 * tol * 1e-2)
+        wk = wr
+        assert int(sk.step) == int(sr.step)
+        for field in config.state_type._fields[1:]:
+            np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=1e-5, atol=1e-6,
+                                       err_msg=field)
+        sk = sr
+    assert int(sk.step) == 5 + STEPS
+    untouched = ~touched_mask(layout, batches)
+    assert untouched.any() and (~untouched).any()
+    np.testing.assert_array_equal(np.asarray(wr)[untouched], np.asarray(w0)[untouched])
+    moved = np.max(np.abs(np.asarray(wr, np.float32) - np.asarray(w0, np.float32)))
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float16])
+def test_low_precision_state(platform, state_dtype):
+    config = make(optim.PartialRowWiseAdam, state_dtype=state_dtype)
+    rng = np.random.default_rng(3)
+    w, s = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, False, jnp.float32)
+    assert s.exp_avg.dtype == state_dtype
+    batch = random_step_batch(rng, LAYOUT, PoolingMode.SUM, False)
+    wk, sk, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")(w, s, *batch)
+    wr, sr, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")(w, s, *batch)
+    np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
+    tol = float(jnp.finfo(state_dtype).eps)
+    for field in ("exp_avg", "exp_avg_sq"):
+        assert getattr(sk, field).dtype == state_dtype
+        np.testing.assert_allclose(np.asarray(getattr(sk, field), np.float32),
+                                   np.asarray(getattr(sr, field), np.float32), rtol=tol, atol=1e-6)
+
+
+def test_matches_float64_numpy_over_steps(platform):
+    """The kernel against optim_testing's float64 formulas (written from FBGEMM's definitions)."""
+    from optim_testing import merged_grads, reference_step
+
+    config = CONFIGS["rowwise_adagrad_l2"]
+    rng = np.random.default_rng(11)
+    weights, states = random_tables(config, rng)
+    w, s = to_jax(config, weights, states, step=0)
+    kernel = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")
+    for step in range(STEPS):
+        indices, offsets, grad_output = random_batch(rng)
+        w, s, _ = kernel(w, s, grad_output, indices, offsets, np.zeros(indices.shape, np.float32))
+        reference_step(config, weights, states, merged_grads((indices, offsets, grad_output)), step)
+    got_w, got_s = from_jax(config, w, s)
+    for t in range(LAYOUT.num_tables):
+        np.testing.assert_allclose(got_w[t], weights[t], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got_s[t]["momentum1"], states[t]["momentum1"], rtol=1e-5, atol=1e-7)
+
+
+def test_per_sample_weight_gradient_equals_autodiff(platform):
+    config = CONFIGS["sgd"]
+    rng = np.random.default_rng(5)
+    w, s = random_inputs(rng, config, LAYOUT, PoolingMode.MEAN, True, jnp.float32)
+    grad_output, indices, offsets, psw = random_step_batch(rng, LAYOUT, PoolingMode.MEAN, True)
+    _, _, got = _step(config, LAYOUT, PoolingMode.MEAN, True, "kernel")(w, s, grad_output, indices, offsets, psw)
+    want = jax.grad(lambda p: jnp.sum(grad_output * embedding_bag_lookup(
+        w, indices, offsets, layout=LAYOUT, pooling="mean", per_sample_weights=p)))(jnp.asarray(psw))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    assert np.all(np.asarray(got)[offsets[-1]:] == 0)  # padding
+
+
+@pytest.mark.parametrize("weight_dtype", [jnp.bfloat16, jnp.float16])
+def test_stochastic_rounding(platform, weight_dtype):
+    """Kernel bits = reference bits; deterministic for a seed; unbiased on average."""
+    config = make(optim.SGD, learning_rate=1.0, stochastic_rounding=True, seed=7)
+    layout = TableLayout(rows=(64,), dims=(128,), feature_table_map=(0,))
+    n = 64
+    indices = np.arange(n, dtype=np.int32)
+    offsets = np.arange(n + 1, dtype=np.int32)
+    w = jnp.ones((layout.num_weights,), weight_dtype)
+    # A gradient of a third of the dtype's ulp at 1.0: round-to-nearest never moves a weight.
+    ulp = float(jnp.finfo(weight_dtype).eps)
+    grad_output = np.full((n, 128), -ulp / 3, np.float32)
+    s = optim.init_state(config, layout)
+    run = lambda backend, cfg: _step(cfg, layout, PoolingMode.SUM, False, backend)(
+        w, s, grad_output, indices, offsets, np.zeros(n, np.float32))[0]
+    kernel, again, reference = run("kernel", config), run("kernel", config), run("reference", config)
+    np.testing.assert_array_equal(np.asarray(kernel, np.float32), np.asarray(reference, np.float32))
+    np.testing.assert_array_equal(np.asarray(kernel, np.float32), np.asarray(again, np.float32))
+    other_seed = run("kernel", make(optim.SGD, learning_rate=1.0, stochastic_rounding=True, seed=8))
+    assert np.any(np.asarray(other_seed) != np.asarray(kernel))
+    up = np.mean(np.asarray(kernel, np.float32) > 1.0)
+    assert abs(up - 1 / 3) < 0.02, up  # 8192 draws: sd 0.005
+    nearest = run("kernel", make(optim.SGD, learning_rate=1.0))
+    assert np.all(np.asarray(nearest, np.float32) == 1.0)
+
+
+def test_int64_ids(platform, x64):
+    config = CONFIGS["rowwise_adagrad"]
+    rng = np.random.default_rng(9)
+    w, s = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, False, jnp.float32)
+    grad_output, indices, offsets, psw = random_step_batch(rng, LAYOUT, PoolingMode.SUM, False)
+    args = (grad_output, indices.astype(np.int64), offsets.astype(np.int64), psw)
+    wk, sk, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")(w, s, *args)
+    wr, sr, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")(w, s, *args)
+    np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(sk.momentum1, sr.momentum1, rtol=1e-5, atol=1e-7)
+
+
+def test_bad_ids_are_corrected_like_the_lookup(platform):
+    """WARNING mode: the update sees the ids the lookup saw (bad ones read as row 0)."""
+    config = CONFIGS["sgd"]
+    rng = np.random.default_rng(4)
+    w, s = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, False, jnp.float32)
+    grad_output, indices, offsets, _ = random_step_batch(rng, LAYOUT, PoolingMode.SUM, False)
+    bad = indices.copy()
+    bad[offsets[1]] = 10**6 if offsets[2] > offsets[1] else bad[offsets[1]]
+    fixed = bad.copy()
+    fixed[offsets[1]] = 0 if offsets[2] > offsets[1] else fixed[offsets[1]]
+    got = fused_update(w, s, grad_output, bad, offsets, layout=LAYOUT, config=config)[0]
+    want = fused_update(w, s, grad_output, fixed, offsets, layout=LAYOUT, config=config,
+                        bounds_check_mode="none")[0]
+    np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("kwargs, error, message", [
+    (dict(config=optim.NoOptimizer()), ValueError, "NoOptimizer has no fused update"),
+    (dict(grad_output=np.zeros((3, 3), np.float32)), ValueError, "grad_output must have"),
+    (dict(state=optim.init_state(optim.Adam(), LAYOUT)), TypeError, "needs a SGDState"),
+    (dict(pooling="none", per_sample_weights=np.ones(128, np.float32)), ValueError, "pooling"),
+    (dict(backend="gpu"), ValueError, "backend"),
+])
+def test_bad_arguments_get_clear_errors(kwargs, error, message):
+    rng = np.random.default_rng(0)
+    indices, offsets, grad_output = random_batch(rng)
+    args = dict(weights=jnp.zeros(LAYOUT.num_weights) + 0.5, state=optim.init_state(optim.SGD(), LAYOUT),
+                grad_output=grad_output, indices=indices, offsets=offsets, layout=LAYOUT,
+                config=optim.SGD())
+    args.update(kwargs)
+    with pytest.raises(error, match=message):
+        fused_update(**args)
