@@ -151,12 +151,13 @@ def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
 
     kernels = kernel if isinstance(kernel, dict) else dict.fromkeys(_LIBRARIES, kernel)
     if backend == "kernel":
-        # Always the handlers: lowering for a platform without one fails with XLA's
-        # message naming the target and the platform.
-        for platform in _LIBRARIES:
-            has_kernel(platform)
-        branches = kernels
-    else:
-        branches = {p: (kernels[p] if has_kernel(p) else reference) for p in _LIBRARIES}
+        # Always the handlers, and the reference is not even traced (it may not handle
+        # every input the kernels do): lowering for a platform without a handler fails.
+        available = {p: kernels[p] for p in _LIBRARIES if has_kernel(p)}
+        if not available:
+            raise RuntimeError("backend='kernel' but jaxrec has no compiled handlers "
+                               "(jaxrec.build_info()); " + _REBUILD_HINT)
+        return jax.lax.platform_dependent(*args, **available)
+    branches = {p: (kernels[p] if has_kernel(p) else reference) for p in _LIBRARIES}
     return jax.lax.platform_dependent(*args, default=reference, **branches)
 

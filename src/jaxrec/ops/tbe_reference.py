@@ -16,10 +16,14 @@ from jaxrec.ops.tbe_layout import PoolingMode, TableLayout
 def bag_of_position(offsets: jax.Array, num_indices: int) -> jax.Array:
     """Bag k of each index position (``offsets[k] <= p < offsets[k+1]``); -1 or T*B outside bags.
 
-    Offsets must be non-decreasing (``bounds_check_indices`` guarantees it).
+    Offsets must be non-decreasing (``bounds_check_indices`` guarantees it). Computed as
+    ``searchsorted(offsets, p, side="right") - 1`` by counting the offsets at or before
+    each position (a scatter-add and a cumsum): no loop, where ``jnp.searchsorted``'s
+    binary search is a while loop that syncs with the host each iteration on the GPU.
     """
-    position = jnp.arange(num_indices, dtype=offsets.dtype)
-    return jnp.searchsorted(offsets, position, side="right").astype(offsets.dtype) - 1
+    starts = jnp.clip(offsets, 0, num_indices)  # offsets past the end count for no position
+    marks = jnp.zeros((num_indices + 1,), offsets.dtype).at[starts].add(1)
+    return jnp.cumsum(marks[:num_indices], dtype=offsets.dtype) - 1
 
 
 def row_keys(layout: TableLayout, indices, bag, num_bags: int) -> jax.Array:

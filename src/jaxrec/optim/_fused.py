@@ -27,6 +27,12 @@ from jaxrec.optim._rowwise import update_rows
 from jaxrec.optim._state import buffer_fields, check_state, row_offsets, state_offsets
 
 
+def reference_fits(layout: TableLayout, num_rows: int) -> bool:
+    """Whether the reference can index the weights: int32 offsets unless jax_enable_x64."""
+    index_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
+    return layout.num_weights < np.iinfo(index_dtype).max - num_rows
+
+
 def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad, *,
                            layout: TableLayout, config: C.OptimizerConfig,
                            hparams: C.OptimizerHyperparams | None = None):
@@ -64,7 +70,7 @@ def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad
                          f"(the layout's largest dim); got {tuple(sparse_grad.tables.shape)}, "
                          f"{tuple(sparse_grad.rows.shape)} and {(n, width)}")
     index_dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
-    if layout.num_weights >= np.iinfo(index_dtype).max - n:
+    if not reference_fits(layout, n):
         raise ValueError(f"the tables have {layout.num_weights} weights, too many for "
                          f"{np.dtype(index_dtype).name} offsets; enable jax_enable_x64")
 

@@ -15,7 +15,10 @@ gradients summed first (FBGEMM's ``EXACT_*`` optimizers)::
 In place means: under ``jax.jit(..., donate_argnums=...)`` with ``weights`` and ``state``
 donated, the kernel writes into the very buffers it was given (``input_output_aliases``),
 so a step costs O(batch), not O(table). **Donate them**: without donation XLA must keep
-the old buffers alive and copies the whole table (and its state) every step.
+the old buffers alive and copies the whole table (and its state) every step. Inside
+one jit, ``grad_output`` must depend on the lookup's output (as a real gradient does):
+otherwise XLA may schedule the in-place update before the lookup reads the table, and
+copies the table to keep the lookup correct.
 
 Kernels: the ids are sorted with XLA's sort (a radix sort on the GPU), then one CUDA warp
 (or one CPU task) per unique row sums the row's gradient in sorted order and applies
@@ -39,7 +42,7 @@ from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, _check_weights, as_p
 from jaxrec.ops.tbe_reference import bag_of_position, embedding_bag_reference, row_keys
 from jaxrec.ops.tbe_sparse_grad import embedding_bag_sparse_grad
 from jaxrec.optim import _configs as C
-from jaxrec.optim._fused import fused_update_reference
+from jaxrec.optim._fused import fused_update_reference, reference_fits
 from jaxrec.optim._state import buffer_fields, check_state
 
 # OptimizerKind of csrc/common/fused_optimizer.h.
@@ -91,6 +94,8 @@ def _fused_update(weights, state, grad_output, indices, offsets, *, layout, conf
             layout.feature_rows, indices, offsets, bounds_check_mode,
             table_names=[str(t) for t in layout.feature_table_map], backend=backend)
     cuda = _kernel if max(layout.dims) <= MAX_KERNEL_DIM else _reference
+    if backend == "auto" and not reference_fits(layout, indices.shape[0]):
+        backend = "kernel"  # the kernels index with int64 whatever jax_enable_x64 says
     weights, state, grad_psw = _ffi.dispatch(
         {"cpu": functools.partial(_kernel, op), "cuda": functools.partial(cuda, op)},
         functools.partial(_reference, op),
