@@ -155,7 +155,7 @@ def _lookup(spec: _Spec):
             tables.weights, tables.state, grad_output, indices, offsets, layout=spec.layout,
             config=spec.config, hparams=tables.hparams, pooling=spec.pooling,
             per_sample_weights=psw if spec.weighted else None,
-            bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend, skip_bounds_check=True)
+            bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend)  # checked in fused_lookup
         # The updated tables take the place of the gradient; the int step has none (its
         # increment is applied by fused_value_and_grad), nor do the hyperparameters.
         updated = dataclasses.replace(

@@ -83,13 +83,12 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
 
 
 def _fused_update(weights, state, grad_output, indices, offsets, *, layout, config, hparams,
-                  pooling, per_sample_weights, bounds_check_mode, backend,
-                  skip_bounds_check=False):
+                  pooling, per_sample_weights, bounds_check_mode, backend):
     """``fused_update`` that also returns the per-sample weights' gradient (or None)."""
     op, hparams, grad_output, indices, offsets, per_sample_weights = _validate(
         weights, state, grad_output, indices, offsets, layout, config, hparams, pooling,
         per_sample_weights, backend)
-    if not skip_bounds_check and as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE:
+    if as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE:
         indices, offsets, _ = bounds_check_indices(
             layout.feature_rows, indices, offsets, bounds_check_mode,
             table_names=[str(t) for t in layout.feature_table_map], backend=backend)
