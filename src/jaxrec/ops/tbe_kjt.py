@@ -48,9 +48,16 @@ def embedding_bag_lookup_kjt(
         bounds_check_mode=bounds_check_mode, backend=backend)
     if as_pooling_mode(pooling) != PoolingMode.NONE:
         return KeyedTensor(keys, list(layout.feature_dims), out)
+    return split_sequence_embeddings(out, features)
 
-    # Move each key's rows to the front of a capacity-sized block, zeros after its last id.
-    capacity = values.shape[0]
+
+def split_sequence_embeddings(out: jax.Array, features: KeyedJaggedTensor) -> dict[str, JaggedTensor]:
+    """The NONE-pooled ``[capacity, dim]`` rows of ``features`` as one ``JaggedTensor`` per key.
+
+    Each key's rows move to the front of a capacity-sized block, zeros after its last id.
+    """
+    keys = list(features.keys())
+    capacity = out.shape[0]
     padded = jnp.concatenate([out, jnp.zeros_like(out)])
     lengths = features.lengths().reshape(len(keys), features.stride())
     starts, counts = features.offset_per_key()[:-1], features.length_per_key()

@@ -1,0 +1,65 @@
+"""A two-tower model (matrix factorisation when the towers are empty) for ratings or retrieval::
+
+    query features  --EBC--> [B, Dq] --query MLP-->     q [B, H] --+
+                                                                     +--> <q, c> + bias --> [B]
+    candidate feats --EBC--> [B, Dc] --candidate MLP--> c [B, H] --+
+
+With ``layer_sizes=()`` the towers are the identity and the score is the dot product of
+the pooled embeddings, i.e. matrix factorisation (then Dq must equal Dc). The towers' last
+layer has no activation, so scores can be negative.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrec.models._dlrm import OverArch
+from jaxrec.nn import EmbeddingBagCollection
+from jaxrec.sparse import KeyedJaggedTensor
+
+
+class TwoTower(nnx.Module):
+    """``model(sparse) -> [B]`` scores from one ``EmbeddingBagCollection``.
+
+    Args:
+      embedding_bag_collection: tables of both towers.
+      query_features, candidate_features: the feature names of each tower.
+      layer_sizes: each tower's MLP (the last size is the shared output width); ``()`` for
+        matrix factorisation.
+      bias: the initial value of a learned global offset (e.g. the mean rating).
+    """
+
+    def __init__(self, embedding_bag_collection: EmbeddingBagCollection,
+                 query_features: Sequence[str], candidate_features: Sequence[str],
+                 layer_sizes: Sequence[int] = (), *, bias: float = 0.0, rngs: nnx.Rngs):
+        dims = {f: t.embedding_dim for t in embedding_bag_collection.embedding_bag_configs()
+                for f in t.feature_names}
+        unknown = [f for f in [*query_features, *candidate_features] if f not in dims]
+        if unknown or not query_features or not candidate_features:
+            raise ValueError(f"query_features and candidate_features must be non-empty lists of "
+                             f"the collection's features {list(dims)}; unknown: {unknown}")
+        self.sparse_arch = embedding_bag_collection
+        self.query_features = tuple(query_features)
+        self.candidate_features = tuple(candidate_features)
+        widths = [sum(dims[f] for f in fs) for fs in (self.query_features, self.candidate_features)]
+        if layer_sizes:
+            self.query_tower = OverArch(widths[0], layer_sizes, rngs=rngs)
+            self.candidate_tower = OverArch(widths[1], layer_sizes, rngs=rngs)
+        elif widths[0] != widths[1]:
+            raise ValueError(f"without towers (layer_sizes=()) the query and candidate embeddings "
+                             f"need one width, got {widths[0]} and {widths[1]}")
+        else:
+            self.query_tower = self.candidate_tower = None
+        self.bias = nnx.Param(jnp.asarray(bias, jnp.float32))
+
+    def __call__(self, sparse_features: KeyedJaggedTensor) -> jax.Array:
+        pooled = self.sparse_arch(sparse_features)
+        query = jnp.concatenate([pooled[f] for f in self.query_features], axis=1)
+        candidate = jnp.concatenate([pooled[f] for f in self.candidate_features], axis=1)
+        if self.query_tower is not None:
+            query, candidate = self.query_tower(query), self.candidate_tower(candidate)
+        return jnp.sum(query * candidate, axis=1) + self.bias[...]

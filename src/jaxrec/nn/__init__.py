@@ -1,0 +1,32 @@
+"""Flax NNX modules over jaxrec's functional layers (TorchRec's vocabulary).
+
+- ``EmbeddingBagConfig`` / ``EmbeddingConfig``: a table, its features, its initialiser.
+- ``EmbeddingBagCollection``: ``KeyedJaggedTensor -> KeyedTensor`` of pooled embeddings.
+- ``EmbeddingCollection``: ``KeyedJaggedTensor -> {feature: JaggedTensor}`` (one row per id).
+  Both hold their tables as ``nnx.Param`` (plain: optax trains them) or as ``FusedTables``
+  (fused: the optimizer runs inside the backward, in place).
+- ``PartitionedOptimizer`` + ``make_train_step``: optax on the dense parameters, the fused
+  update on the tables, one jitted and donating step.
+- ``MLP``, ``LowRankCrossNet``: the dense building blocks of DLRM and DCN.
+
+Linen users: wrap a module with ``flax.nnx.bridge.to_linen`` (docs/nn.md).
+"""
+
+from jaxrec.nn._configs import EmbeddingBagConfig, EmbeddingConfig
+from jaxrec.nn._embedding_bag_collection import EmbeddingBagCollection
+from jaxrec.nn._embedding_collection import EmbeddingCollection
+from jaxrec.nn._layers import MLP, LowRankCrossNet
+from jaxrec.nn._tables import FusedTables
+from jaxrec.nn._train import PartitionedOptimizer, make_train_step
+
+__all__ = [
+    "MLP",
+    "EmbeddingBagCollection",
+    "EmbeddingBagConfig",
+    "EmbeddingCollection",
+    "EmbeddingConfig",
+    "FusedTables",
+    "LowRankCrossNet",
+    "PartitionedOptimizer",
+    "make_train_step",
+]

@@ -1,0 +1,146 @@
+"""TorchRec's table configs: ``EmbeddingBagConfig`` (pooled) and ``EmbeddingConfig`` (sequence).
+
+A collection's tables are grouped into table-batched lookups as FBGEMM groups them: all
+tables of one pooling and one dtype share one flat buffer and one kernel launch::
+
+    # tables  t_user (SUM, f32)  t_item (SUM, f32)  t_hist (MEAN, f32)
+    # groups  [t_user, t_item] -> one TableLayout, one lookup;  [t_hist] -> another
+    # output keys: the feature names, table by table, in config order (TorchRec's order)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec.ops import PoolingMode, TableLayout
+from jaxrec.ops.tbe_layout import as_pooling_mode
+
+_DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingConfig:
+    """One table and the features that look it up (TorchRec's ``EmbeddingConfig``)."""
+
+    name: str
+    """The table's name; unique within a collection."""
+    num_embeddings: int
+    """Rows of the table."""
+    embedding_dim: int
+    """Columns of the table."""
+    feature_names: tuple[str, ...]
+    """The KJT keys that look this table up (several features may share it)."""
+    weight_init_min: float | None = None
+    """Lower bound of the uniform initialiser; default ``-sqrt(1 / num_embeddings)``."""
+    weight_init_max: float | None = None
+    """Upper bound of the uniform initialiser; default ``sqrt(1 / num_embeddings)``."""
+    init_fn: Callable[[jax.Array, tuple[int, int], jnp.dtype], jax.Array] | None = None
+    """``init_fn(key, (rows, dim), float32) -> array``; replaces the uniform initialiser."""
+    dtype: str = "float32"
+    """Storage dtype of the table: float32, float16 or bfloat16 (outputs are float32)."""
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"name must be a non-empty str, got {self.name!r}")
+        for field in ("num_embeddings", "embedding_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+                raise ValueError(f"table {self.name!r}: {field} must be an int >= 1, got {value!r}")
+        names = self.feature_names
+        if isinstance(names, str):
+            raise TypeError(f"table {self.name!r}: feature_names must be a list of str, got the "
+                            f"str {names!r}; write feature_names=[{names!r}]")
+        object.__setattr__(self, "feature_names", tuple(names))
+        if not self.feature_names or not all(isinstance(f, str) and f for f in self.feature_names):
+            raise ValueError(f"table {self.name!r}: feature_names must list at least one non-empty "
+                             f"str, got {list(self.feature_names)}")
+        dtype = jnp.dtype(self.dtype).name
+        if dtype not in _DTYPES:
+            raise ValueError(f"table {self.name!r}: dtype must be one of {_DTYPES}, got {self.dtype!r}")
+        object.__setattr__(self, "dtype", dtype)
+
+    def init(self, key: jax.Array) -> jax.Array:
+        """The initial ``[num_embeddings, embedding_dim]`` table, in float32."""
+        shape = (self.num_embeddings, self.embedding_dim)
+        if self.init_fn is not None:
+            table = jnp.asarray(self.init_fn(key, shape, jnp.float32))
+            if table.shape != shape:
+                raise ValueError(f"table {self.name!r}: init_fn returned shape {table.shape}, "
+                                 f"expected {shape}")
+            return table.astype(jnp.float32)
+        bound = math.sqrt(1.0 / self.num_embeddings)
+        low = -bound if self.weight_init_min is None else self.weight_init_min
+        high = bound if self.weight_init_max is None else self.weight_init_max
+        return jax.random.uniform(key, shape, jnp.float32, low, high)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EmbeddingBagConfig(EmbeddingConfig):
+    """A pooled table (TorchRec's ``EmbeddingBagConfig``): each bag of ids becomes one row."""
+
+    pooling: PoolingMode | str = PoolingMode.SUM
+    """SUM or MEAN (NONE is for ``EmbeddingCollection``)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        pooling = as_pooling_mode(self.pooling)
+        if pooling == PoolingMode.NONE:
+            raise ValueError(f"table {self.name!r}: an EmbeddingBagConfig pools (SUM or MEAN); for "
+                             "one embedding per id use EmbeddingConfig in an EmbeddingCollection")
+        object.__setattr__(self, "pooling", pooling)
+
+
+@dataclasses.dataclass(frozen=True)
+class TableGroup:
+    """Tables looked up together: one ``TableLayout`` (one flat buffer) and its features."""
+
+    tables: tuple[EmbeddingConfig, ...]
+    pooling: PoolingMode
+    dtype: str
+    layout: TableLayout
+    feature_names: tuple[str, ...]
+
+
+def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None = None
+                 ) -> tuple[TableGroup, ...]:
+    """Checks ``tables`` and groups them by (pooling, dtype), in order of first appearance.
+
+    ``pooling`` overrides the tables' own (``PoolingMode.NONE`` for sequence embeddings).
+    """
+    tables = tuple(tables)
+    if not tables or not all(isinstance(t, EmbeddingConfig) for t in tables):
+        raise TypeError(f"tables must be a non-empty list of EmbeddingConfig / EmbeddingBagConfig, "
+                        f"got {tables!r}")
+    _check_unique([t.name for t in tables], "table names")
+    _check_unique([f for t in tables for f in t.feature_names], "feature names")
+    order: dict[tuple, list[EmbeddingConfig]] = {}
+    for t in tables:
+        p = pooling if pooling is not None else t.pooling
+        order.setdefault((p, t.dtype), []).append(t)
+    groups = []
+    for (p, dtype), members in order.items():
+        features = tuple(f for t in members for f in t.feature_names)
+        layout = TableLayout(rows=tuple(t.num_embeddings for t in members),
+                             dims=tuple(t.embedding_dim for t in members),
+                             feature_table_map=tuple(i for i, t in enumerate(members)
+                                                     for _ in t.feature_names))
+        groups.append(TableGroup(tuple(members), p, dtype, layout, features))
+    return tuple(groups)
+
+
+def _check_unique(names: list[str], what: str) -> None:
+    seen, repeated = set(), []
+    for n in names:
+        if n in seen:
+            repeated.append(n)
+        seen.add(n)
+    if repeated:
+        raise ValueError(f"{what} must be unique within a collection; {sorted(set(repeated))} "
+                         "appear more than once. To let several features read one table, list them "
+                         "in that table's feature_names")

@@ -1,0 +1,115 @@
+"""Where a collection keeps its tables, in either training mode, and how it looks them up.
+
+* **plain** (``optimizer=None``): each group's flat buffer is an ``nnx.Param``; ``jax.grad``
+  gives its dense gradient and any optax optimizer trains it (FBGEMM's ``optimizer=NONE``).
+* **fused** (``optimizer=RowWiseAdagrad(...)`` etc.): each group is a ``FusedTables``
+  variable holding a ``FusedEmbeddingTables`` (weights, optimizer slots, hyperparameters).
+  The backward of the lookup updates it in place; optax never sees it. Train such a model
+  with ``jaxrec.nn.make_train_step`` (or ``jaxrec.optim.fused_value_and_grad``).
+
+Weights and slots share one variable on purpose: the fused kernel reads and writes both in
+one pass, and a checkpoint or a filter (``nnx.state(model, FusedTables)``) must never split
+a table from its optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrec.nn._configs import EmbeddingConfig, group_tables
+from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
+from jaxrec.optim import FusedEmbeddingTables, OptimizerConfig, fused_lookup
+from jaxrec.sparse import KeyedJaggedTensor
+
+
+class FusedTables(nnx.Variable):
+    """A ``FusedEmbeddingTables``: tables and optimizer slots updated by the fused backward."""
+
+
+class TableCollection(nnx.Module):
+    """Tables grouped into table-batched lookups (the base of the two collections)."""
+
+    def __init__(self, tables: tuple[EmbeddingConfig, ...], pooling: PoolingMode | None, *,
+                 optimizer: OptimizerConfig | None, rngs: nnx.Rngs,
+                 bounds_check_mode: BoundsCheckMode | str, backend: str, name: str):
+        if optimizer is not None and not isinstance(optimizer, OptimizerConfig):
+            raise TypeError(f"optimizer must be None (plain tables, trained by optax) or a fused "
+                            f"optimizer config such as jaxrec.optim.RowWiseAdagrad(...), got "
+                            f"{optimizer!r}")
+        self.groups = groups = group_tables(tables, pooling)
+        self.table_configs = tables
+        self.optimizer = optimizer
+        self.bounds_check_mode = bounds_check_mode
+        self.backend = backend
+        self.name = name
+        self.feature_names = tuple(f for t in self.table_configs for f in t.feature_names)
+        initial = {t.name: t.init(rngs.params()) for t in tables}  # keys drawn in config order
+        variables = []
+        for i, g in enumerate(groups):
+            flat = g.layout.merge_embedding_weights([initial[t.name] for t in g.tables])
+            flat = flat.astype(g.dtype)
+            if optimizer is None:
+                variables.append(nnx.Param(flat))
+            else:
+                group_name = name if len(groups) == 1 else f"{name}.{i}"
+                variables.append(FusedTables(FusedEmbeddingTables.create(
+                    g.layout, optimizer, weights=flat, name=group_name)))
+        self.tables = nnx.List(variables)
+
+    @property
+    def fused(self) -> bool:
+        return self.optimizer is not None
+
+    def split_embedding_weights(self) -> dict[str, jax.Array]:
+        """``{table name: [num_embeddings, embedding_dim]}`` (views of the flat buffers)."""
+        out = {}
+        for g, var in zip(self.groups, self.tables):
+            flat = var.get_value().weights if self.fused else var.get_value()
+            out.update(zip((t.name for t in g.tables), g.layout.split_embedding_weights(flat)))
+        return out
+
+    def set_learning_rate(self, learning_rate) -> None:
+        """New learning rate of the fused optimizer (traced values are fine: no recompile)."""
+        if not self.fused:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has plain tables: their "
+                             "learning rate is the optax optimizer's")
+        for var in self.tables:
+            var.set_value(var.get_value().set_learning_rate(learning_rate))
+
+    def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
+        """One KJT per group, holding that group's features in its layout's order."""
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        keys = list(features.keys())
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self.feature_names if f not in index]
+        if missing:
+            raise ValueError(f"the KeyedJaggedTensor lacks the features {missing} of "
+                             f"{type(self).__name__} {self.name!r}; its keys are {keys}. Each "
+                             "table's feature_names must be keys of the input")
+        out = []
+        for g in self.groups:
+            order = [index[f] for f in g.feature_names]
+            out.append(features if order == list(range(len(keys))) else features.permute(order))
+        return out
+
+    def lookup(self, i: int, features: KeyedJaggedTensor, pooling: PoolingMode) -> jax.Array:
+        """Group ``i``'s lookup: ``[B, total_dim]`` pooled, or ``[capacity, dim]`` for NONE."""
+        values = features.values()
+        offsets = features.offsets().astype(values.dtype)
+        kwargs = dict(pooling=pooling, per_sample_weights=features.weights_or_none(),
+                      bounds_check_mode=self.bounds_check_mode, backend=self.backend)
+        table = self.tables[i].get_value()
+        if self.fused:
+            return fused_lookup(table, values, offsets, **kwargs)
+        return embedding_bag_lookup(table, values, offsets, layout=self.groups[i].layout, **kwargs)
+
+
+def concat_in_order(blocks: Sequence[tuple[str, jax.Array]], keys: Sequence[str]) -> jax.Array:
+    """Concatenates named column blocks in the order of ``keys``."""
+    by_key = dict(blocks)
+    return jnp.concatenate([by_key[k] for k in keys], axis=-1)
