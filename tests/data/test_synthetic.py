@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 
 from data_testing import bags, pairwise_auc
+from jaxrec import metrics
 from jaxrec.data import (
     CRITEO_KAGGLE_CARDINALITIES,
     BagLengths,
     SyntheticClickLog,
-    roc_auc,
 )
 
 
@@ -87,7 +87,7 @@ def test_teacher_auc_is_well_above_chance():
     s = log.sample(3000, index=99)
     auc = pairwise_auc(s.labels, s.probabilities)
     assert auc > 0.7, auc
-    assert roc_auc(s.labels, s.probabilities) == pytest.approx(auc, abs=1e-12)
+    assert metrics.auc(s.labels, s.probabilities) == pytest.approx(auc, abs=1e-12)
     ceiling = log.teacher_auc()
     assert 0.7 < ceiling < 0.99 and abs(ceiling - auc) < 0.05
     # the labels depend on the ids: the hottest id of a feature has its own click rate
@@ -112,9 +112,9 @@ def test_labels_depend_on_ids_and_dense():
         clicks = np.bincount(ids, train.labels, minlength=20) + 1
         shows = np.bincount(ids, minlength=20) + 4
         table.append(np.log(clicks / (shows - clicks)))
-    assert roc_auc(test.labels, id_score(test, table)) > 0.6
+    assert metrics.auc(test.labels, id_score(test, table)) > 0.6
     w = np.linalg.lstsq(np.c_[train.dense, np.ones(n)], train.labels, rcond=None)[0]
-    assert roc_auc(test.labels, np.c_[test.dense, np.ones(len(test.labels))] @ w) > 0.55
+    assert metrics.auc(test.labels, np.c_[test.dense, np.ones(len(test.labels))] @ w) > 0.55
 
 
 @pytest.mark.parametrize(
@@ -149,18 +149,6 @@ def test_bag_lengths_per_feature_and_teacher_with_empty_bags():
     assert (s.lengths[:2] == 1).all() and (s.lengths[2] == 0).any() and s.lengths[2].max() == 4
     assert log.capacity_per_sample == 6
     assert log.teacher_auc(5000) > 0.7
-
-
-def test_roc_auc_exact_with_ties():
-    assert roc_auc([0, 1, 0, 1], [0.1, 0.4, 0.5, 0.8]) == 0.75
-    assert roc_auc([0, 1], [0.5, 0.5]) == 0.5
-    assert roc_auc([1, 0], [0.5, 0.2]) == 1.0
-    rng = np.random.default_rng(0)
-    labels = rng.random(500) < 0.3
-    scores = np.round(rng.random(500) + labels * 0.3, 1)  # many ties
-    assert roc_auc(labels, scores) == pytest.approx(pairwise_auc(labels, scores), abs=1e-12)
-    with pytest.raises(ValueError, match="both positive and negative"):
-        roc_auc([1, 1], [0.1, 0.2])
 
 
 def test_argument_errors():

@@ -27,7 +27,6 @@ from jaxrec.data._prefetch import Prefetcher
 from jaxrec.data._synthetic import BagLengths
 from jaxrec.data._synthetic import SyntheticClickLog
 from jaxrec.data._synthetic import SyntheticSample
-from jaxrec.data._synthetic import roc_auc
 
 __all__ = [
     "CRITEO_DENSE_KEYS",
@@ -48,5 +47,4 @@ __all__ = [
     "dense_log_plus3",
     "load_movielens_ratings",
     "movielens_100k_split",
-    "roc_auc",
 ]

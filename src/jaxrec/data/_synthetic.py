@@ -39,6 +39,7 @@ from jaxrec.data._batch import check_table_sizes
 from jaxrec.data._batch import make_batch
 from jaxrec.data._criteo import CRITEO_KAGGLE_CARDINALITIES
 from jaxrec.data._criteo import dense_log1p
+from jaxrec.metrics import auc
 
 _DISTRIBUTIONS = ("fixed", "poisson", "uniform")
 _STREAM_SAMPLES, _STREAM_AUC, _STREAM_CALIBRATION = 1, 2, 3
@@ -230,7 +231,7 @@ class SyntheticClickLog:
         (a stream of its own): the ceiling for a model trained on this log."""
         num_samples = check_batch_size(num_samples, "num_samples")
         s = self._sample(self._rng(_STREAM_AUC, 0, num_samples), num_samples)
-        return roc_auc(s.labels, s.probabilities)
+        return auc(s.labels, s.probabilities)
 
     def _draw(self, rng: np.random.Generator, n: int):
         raw = np.floor(rng.lognormal(self._mu, self._sigma, (n, self.num_dense)))
@@ -323,19 +324,3 @@ def _calibrate(logits: np.ndarray, rate: float) -> float:
         else:
             hi = mid
     return (lo + hi) / 2
-
-
-def roc_auc(labels: np.ndarray, scores: np.ndarray) -> float:
-    """Exact ROC AUC (ties count 1/2), by ranks: O(n log n) on the host."""
-    labels = np.asarray(labels).reshape(-1).astype(bool)
-    scores = np.asarray(scores, np.float64).reshape(-1)
-    if labels.shape != scores.shape:
-        raise ValueError(f"labels and scores need one shape, got {labels.shape}, {scores.shape}.")
-    num_pos = int(labels.sum())
-    num_neg = labels.size - num_pos
-    if num_pos == 0 or num_neg == 0:
-        raise ValueError("AUC needs both positive and negative labels.")
-    _, inverse, counts = np.unique(scores, return_inverse=True, return_counts=True)
-    average_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based, ties averaged
-    rank_sum = average_rank[inverse][labels].sum()
-    return float((rank_sum - num_pos * (num_pos + 1) / 2.0) / (num_pos * num_neg))
