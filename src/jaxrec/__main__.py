@@ -1,7 +1,9 @@
 """The ``jaxrec`` command (also ``python -m jaxrec``).
 
+    jaxrec train  trains a model end to end (default: DLRM on synthetic data; --help)
+    jaxrec bench  the TBE lookup benchmark (GPU when there is one, else CPU; --help)
     jaxrec demo   a short tour: the build, a KeyedJaggedTensor, bounds checking and a
-                  table-batched lookup with its gradient (the default command)
+                  table-batched lookup with its gradient
     jaxrec info   what was built, as JSON
 """
 
@@ -68,8 +70,19 @@ def demo() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrec", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="demo", choices=["demo", "info"])
-    args = parser.parse_args(argv)
+    parser.add_argument("command", nargs="?", default="demo",
+                        choices=["train", "bench", "demo", "info"])
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "train":  # each sub-command parses its own arguments
+        from jaxrec.train import main as train_main
+
+        return train_main(rest)
+    if args.command == "bench":
+        from jaxrec.benchmark import main as bench_main
+
+        return bench_main(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "info":
         from jaxrec import build_info
 

@@ -1,0 +1,106 @@
+"""``TrainConfig``: everything ``jaxrec train`` can be told, checked before any work starts."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jaxrec import optim
+
+MODELS = ("dlrm", "dcn", "mf", "two_tower")
+CTR_MODELS, RATING_MODELS = ("dlrm", "dcn"), ("mf", "two_tower")
+DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
+# Table optimizers by FBGEMM's names (lower case, without EXACT_); "plain" keeps the tables
+# as nnx.Param and lets the dense optax optimizer train them from dense gradients.
+TABLE_OPTIMIZERS = {
+    "rowwise_adagrad": optim.RowWiseAdagrad,
+    "adagrad": optim.Adagrad,
+    "sgd": optim.SGD,
+    "adam": optim.Adam,
+    "partial_rowwise_adam": optim.PartialRowWiseAdam,
+    "lamb": optim.LAMB,
+    "partial_rowwise_lamb": optim.PartialRowWiseLAMB,
+    "lars_sgd": optim.LarsSGD,
+    "plain": None,
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    """One training run (the defaults: DLRM on the synthetic click log, < 2 min on a CPU)."""
+
+    model: str | None = None
+    """dlrm, dcn (click data) or mf, two_tower (ratings); default dlrm, or mf for movielens."""
+    data: str = "synthetic"
+    """synthetic, criteo:PATH (a TSV file or a folder of them) or movielens:PATH (a ratings
+    file, or the ml-100k folder: split u1)."""
+    table_optimizer: str = "rowwise_adagrad"
+    """The fused optimizer of the tables (TABLE_OPTIMIZERS), or plain."""
+    table_learning_rate: float = 0.1
+    dense_optimizer: str = "adam"
+    dense_learning_rate: float = 3e-3
+    batch_size: int = 1024
+    steps: int | None = 2500
+    """Training steps; None: ``epochs`` passes over a file (synthetic data needs steps)."""
+    epochs: int | None = None
+    embedding_dim: int = 16
+    max_rows: int = 20_000
+    """Caps every table (Criteo ids are hashed modulo the table size)."""
+    eval_every: int = 250
+    eval_batches: int = 4
+    """Batches of held-out data per evaluation (all of the test split for movielens)."""
+    checkpoint_dir: str | None = None
+    checkpoint_every: int | None = None
+    """Steps between checkpoints; default: at each evaluation."""
+    resume: bool = False
+    """Continue from the newest checkpoint in ``checkpoint_dir``."""
+    out_dir: str = "jaxrec-run"
+    """Where metrics.json and curves.png go."""
+    seed: int = 0
+    backend: str = "auto"
+
+    def __post_init__(self):
+        kind = self.data.split(":", 1)[0]
+        if kind not in ("synthetic", "criteo", "movielens") or (kind != "synthetic") != (":" in self.data):
+            raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'movielens:PATH', got "
+                             f"{self.data!r}")
+        model = self.model or ("mf" if kind == "movielens" else "dlrm")
+        if model not in MODELS:
+            raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
+        if (kind == "movielens") != (model in RATING_MODELS):
+            fit = RATING_MODELS if kind == "movielens" else CTR_MODELS
+            raise ValueError(f"model {model!r} does not fit data {kind!r} (labels are "
+                             f"{'ratings' if kind == 'movielens' else 'clicks'}); use one of {fit}")
+        object.__setattr__(self, "model", model)
+        if self.table_optimizer not in TABLE_OPTIMIZERS:
+            raise ValueError(f"table_optimizer must be one of {list(TABLE_OPTIMIZERS)}, got "
+                             f"{self.table_optimizer!r}")
+        if self.dense_optimizer not in DENSE_OPTIMIZERS:
+            raise ValueError(f"dense_optimizer must be one of {DENSE_OPTIMIZERS}, got "
+                             f"{self.dense_optimizer!r}")
+        for name in ("batch_size", "embedding_dim", "max_rows", "eval_every", "eval_batches"):
+            _positive(name, getattr(self, name))
+        for name in ("steps", "epochs", "checkpoint_every"):
+            if getattr(self, name) is not None:
+                _positive(name, getattr(self, name))
+        if self.steps is None and self.epochs is None:
+            raise ValueError("give steps or epochs (how long to train)")
+        if self.steps is None and kind == "synthetic":
+            raise ValueError("the synthetic log is endless: give steps, not epochs")
+        if self.resume and not self.checkpoint_dir:
+            raise ValueError("resume needs checkpoint_dir (where the checkpoints are)")
+        for name in ("table_learning_rate", "dense_learning_rate"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
+    @property
+    def data_kind(self) -> str:
+        return self.data.split(":", 1)[0]
+
+    @property
+    def data_path(self) -> str | None:
+        return self.data.split(":", 1)[1] if ":" in self.data else None
+
+
+def _positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")

@@ -1,0 +1,29 @@
+"""The PNG of a run: training loss and the held-out metrics against the step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_curves(history: dict, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    evals = history["eval"]
+    names = [k for k in (evals[0] if evals else {}) if k != "step"]
+    fig, axes = plt.subplots(1, 1 + len(names), figsize=(4.5 * (1 + len(names)), 3.4))
+    axes = list(axes) if len(names) else [axes]
+    train = history["train"]
+    axes[0].plot([t["step"] for t in train], [t["loss"] for t in train], color="tab:blue")
+    axes[0].set(xlabel="step", ylabel="training loss", title="training")
+    for ax, name in zip(axes[1:], names):
+        ax.plot([e["step"] for e in evals], [e[name] for e in evals], "o-", color="tab:orange")
+        ax.set(xlabel="step", ylabel=name, title=f"held-out {name}")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

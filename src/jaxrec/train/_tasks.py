@@ -1,0 +1,161 @@
+"""What a run trains: the data (train stream from any position, held-out batches), the model
+and its loss, for click data (DLRM, DLRM_DCN) and ratings (matrix factorisation, two towers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jaxrec import data, metrics
+from jaxrec.models import DLRM, DLRM_DCN, TwoTower
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
+
+_EVAL_START = 1_000_000_000  # synthetic batches from here on are never trained on
+
+
+@dataclasses.dataclass
+class Task:
+    model: nnx.Module
+    loss_fn: Callable  # (model, batch) -> scalar
+    predict: Callable  # (model, batch) -> [B] probabilities or ratings
+    train_batches: Callable[[int], Iterator[data.Batch]]  # from a position (batches consumed)
+    eval_batches: list[data.Batch]
+    steps_per_epoch: int | None
+    info: dict
+
+    def evaluate(self, predict) -> dict[str, float]:
+        labels, scores, masks = [], [], []
+        for batch in self.eval_batches:
+            scores.append(np.asarray(predict(self.model, batch)))
+            labels.append(np.asarray(batch.labels))
+            masks.append(np.asarray(batch.mask))
+        y, s, w = (np.concatenate(x) for x in (labels, scores, masks))
+        if self.info["task"] == "ctr":
+            return {"auc": metrics.auc(y, s, w), "log_loss": metrics.log_loss(y, s, w)}
+        return {"rmse": metrics.rmse(y, s, w), "mae": metrics.mae(y, s, w)}
+
+
+def build_task(config: TrainConfig) -> Task:
+    if config.data_kind == "movielens":
+        return _ratings_task(config)
+    return _ctr_task(config)
+
+
+def _collection(config: TrainConfig, keys, sizes) -> EmbeddingBagCollection:
+    optimizer = TABLE_OPTIMIZERS[config.table_optimizer]
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=config.embedding_dim,
+                                 feature_names=[k]) for k, n in zip(keys, sizes)]
+    return EmbeddingBagCollection(
+        tables, optimizer=None if optimizer is None else optimizer(
+            learning_rate=config.table_learning_rate),
+        rngs=nnx.Rngs(config.seed), backend=config.backend)
+
+
+def _passes(config: TrainConfig):
+    """Passes over a file: endless when the run is counted in steps, else ``epochs``."""
+    return itertools.count() if config.steps else range(config.epochs)
+
+
+def _masked_mean(losses, batch):
+    return jnp.sum(losses * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
+
+
+def _ctr_task(config: TrainConfig) -> Task:
+    d, rngs = config.embedding_dim, nnx.Rngs(config.seed + 1)
+    info = {"task": "ctr"}
+    if config.data_kind == "synthetic":
+        log = data.SyntheticClickLog(max_rows=config.max_rows, seed=config.seed)
+        keys, sizes, num_dense = log.keys, log.table_sizes, log.num_dense
+        info["teacher_auc"] = log.teacher_auc()
+
+        def train_batches(position):
+            return log.batches(config.batch_size, None, start=position)
+
+        held_out = list(log.batches(config.batch_size, config.eval_batches, start=_EVAL_START))
+        steps_per_epoch = None
+    else:
+        path = Path(config.data_path)
+        paths = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        sizes = tuple(min(n, config.max_rows) for n in data.CRITEO_KAGGLE_CARDINALITIES)
+        reader = data.CriteoReader(paths, batch_size=config.batch_size,
+                                   num_embeddings_per_feature=list(sizes))
+        keys, num_dense = reader.keys, len(data.CRITEO_DENSE_KEYS)
+        # The first eval_batches batches of the stream are held out; training reads the rest.
+        held_out = list(itertools.islice(iter(reader), config.eval_batches))
+        steps_per_epoch = None
+
+        def train_batches(position):
+            passes = (itertools.islice(iter(reader), config.eval_batches, None)
+                      for _ in _passes(config))
+            return itertools.islice(itertools.chain.from_iterable(passes), position, None)
+
+        info["files"] = [str(p) for p in paths]
+    ebc = _collection(config, keys, sizes)
+    if config.model == "dlrm":
+        model = DLRM(ebc, num_dense, [64, d], [64, 32, 1], rngs=rngs)
+    else:
+        model = DLRM_DCN(ebc, num_dense, [64, d], [64, 32, 1], dcn_num_layers=2,
+                         dcn_low_rank_dim=16, rngs=rngs)
+
+    def loss_fn(model, batch):
+        logits = model(batch.dense, batch.sparse)[:, 0]
+        return _masked_mean(optax.sigmoid_binary_cross_entropy(logits, batch.labels), batch)
+
+    def predict(model, batch):
+        return jax.nn.sigmoid(model(batch.dense, batch.sparse)[:, 0])
+
+    info.update(keys=list(keys), table_sizes=list(sizes))
+    return Task(model, loss_fn, predict, train_batches, held_out, steps_per_epoch, info)
+
+
+def _ratings_task(config: TrainConfig) -> Task:
+    path = Path(config.data_path)
+    if path.is_dir():
+        train_path, test_path = data.movielens_100k_split(path, "u1")
+        train, test = data.load_movielens_ratings(train_path), data.load_movielens_ratings(test_path)
+    else:
+        ratings = data.load_movielens_ratings(path)
+        if len(ratings) < 10:
+            raise ValueError(f"{path} holds {len(ratings)} ratings; a run needs at least 10 "
+                             "(90% train, 10% test)")
+        order = np.random.default_rng(config.seed).permutation(len(ratings))
+        cut = len(ratings) - max(len(ratings) // 10, 1)
+        train, test = (data.MovieLensRatings(*(f[idx] for f in ratings))
+                       for idx in (order[:cut], order[cut:]))
+    num_users = int(max(train.users.max(), test.users.max())) + 1
+    num_items = int(max(train.items.max(), test.items.max())) + 1
+    reader = data.MovieLensReader(train, batch_size=config.batch_size, num_users=num_users,
+                                  num_items=num_items, shuffle_seed=config.seed, last_batch="drop")
+    if len(reader) == 0:
+        raise ValueError(f"batch_size={config.batch_size} is larger than the {len(train)} training "
+                         "ratings; pass a smaller --batch-size")
+    held_out = list(data.MovieLensReader(test, batch_size=config.batch_size, num_users=num_users,
+                                         num_items=num_items))
+    keys = data.MOVIELENS_KEYS
+    ebc = _collection(config, keys, (num_users, num_items))
+    layers = () if config.model == "mf" else (64, 32)
+    model = TwoTower(ebc, [keys[0]], [keys[1]], layers, bias=float(train.ratings.mean()),
+                     rngs=nnx.Rngs(config.seed + 1))
+
+    def train_batches(position):
+        passes = (iter(reader) for _ in _passes(config))
+        return itertools.islice(itertools.chain.from_iterable(passes), position, None)
+
+    def loss_fn(model, batch):
+        return _masked_mean((model(batch.sparse) - batch.labels) ** 2, batch)
+
+    def predict(model, batch):
+        return model(batch.sparse)
+
+    info = {"task": "ratings", "num_users": num_users, "num_items": num_items,
+            "train_ratings": len(train), "test_ratings": len(test)}
+    return Task(model, loss_fn, predict, train_batches, held_out, len(reader), info)

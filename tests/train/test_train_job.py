@@ -1,0 +1,164 @@
+"""The ``jaxrec train`` main job: it learns, writes its outputs, resumes exactly, reads every
+data source, and says what is wrong with bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxrec.checkpoint import all_steps, restore_checkpoint
+from jaxrec.train import TrainConfig, main, train
+from jaxrec.train._tasks import build_task
+
+SMALL = dict(batch_size=128, max_rows=500, embedding_dim=8, eval_every=20, eval_batches=2)
+CRITEO_SAMPLE = (Path(__file__).resolve().parents[3] / "shared" / "data" / "criteo_sample"
+                 / "criteo_kaggle_format_100rows.tsv")
+
+
+def test_default_command_learns_and_writes_its_outputs(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--steps", "300", "--batch-size", "512", "--eval-every", "100",
+                 "--out-dir", str(out)]) == 0
+    record = json.loads((out / "metrics.json").read_text())
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert record["config"]["model"] == "dlrm" and record["steps"] == 300
+    assert [e["step"] for e in record["history"]["eval"]] == [100, 200, 300]
+    assert record["final"]["auc"] > 0.65, record["final"]
+    assert record["train_samples_per_s"] > 0
+    assert "held-out auc" in capsys.readouterr().out
+
+
+def model_state(config, directory, step):
+    task = build_task(config)
+    target = {"model": nnx.state(task.model), "opt_state": None}
+    from jaxrec.nn import PartitionedOptimizer
+    from jaxrec.train._loop import _DENSE
+
+    target["opt_state"] = PartitionedOptimizer(
+        task.model, _DENSE[config.dense_optimizer](config.dense_learning_rate)).opt_state
+    state, meta = restore_checkpoint(directory, target, step=step)
+    return state, meta
+
+
+@pytest.mark.parametrize("table_optimizer", ["rowwise_adagrad", "plain"])
+def test_resumed_run_equals_the_uninterrupted_run(tmp_path, table_optimizer):
+    common = dict(SMALL, table_optimizer=table_optimizer, model="dcn")
+    whole = TrainConfig(**common, steps=40, checkpoint_dir=str(tmp_path / "a"),
+                        out_dir=str(tmp_path / "out_a"))
+    train(whole)
+    first = TrainConfig(**common, steps=20, checkpoint_dir=str(tmp_path / "b"),
+                        out_dir=str(tmp_path / "out_b"))
+    train(first)
+    resumed = TrainConfig(**common, steps=40, checkpoint_dir=str(tmp_path / "b"), resume=True,
+                          out_dir=str(tmp_path / "out_b"))
+    record = train(resumed)
+    assert all_steps(tmp_path / "b") == [20, 40]
+    a, meta_a = model_state(whole, tmp_path / "a", 40)
+    b, meta_b = model_state(whole, tmp_path / "b", 40)
+    assert meta_a["data_position"] == meta_b["data_position"] == 40
+    leaves_a, leaves_b = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(leaves_a) == len(leaves_b) > 10
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    # The resumed run's history continues the first one's.
+    assert [e["step"] for e in record["history"]["eval"]] == [20, 40]
+
+
+def test_checkpoint_restores_the_model_bit_exactly(tmp_path):
+    config = TrainConfig(**SMALL, steps=20, checkpoint_dir=str(tmp_path / "c"),
+                         out_dir=str(tmp_path / "out"))
+    train(config)
+    state, meta = model_state(config, tmp_path / "c", 20)
+    fresh = build_task(config).model
+    changed = [not np.array_equal(np.asarray(x), np.asarray(y))
+               for x, y in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(nnx.state(fresh)))]
+    assert any(changed)  # the checkpoint holds the trained state, not the initial one
+    assert meta["step"] == 20 and len(meta["history"]["eval"]) == 1
+
+
+def write_criteo(path: Path, rows: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    lines = []
+    for _ in range(rows):
+        label = str(rng.integers(0, 2))
+        dense = [str(rng.integers(0, 50)) if rng.random() > 0.2 else "" for _ in range(13)]
+        cats = [f"{rng.integers(0, 2**32):08x}" if rng.random() > 0.1 else "" for _ in range(26)]
+        lines.append("\t".join([label, *dense, *cats]))
+    path.write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.parametrize("source", ["fixture", "shared_sample"])
+def test_criteo_files_train(tmp_path, source):
+    if source == "fixture":
+        path = tmp_path / "day_0"
+        write_criteo(path, 300)
+    else:
+        if not CRITEO_SAMPLE.is_file():
+            pytest.skip(f"{CRITEO_SAMPLE} is not present")
+        path = CRITEO_SAMPLE
+    config = TrainConfig(data=f"criteo:{path}", **{**SMALL, "batch_size": 16}, steps=12,
+                         out_dir=str(tmp_path / "out"))
+    record = train(config)
+    assert record["steps"] == 12 and 0.0 <= record["final"]["auc"] <= 1.0
+    assert record["data"]["files"] == [str(path)]
+
+
+def test_criteo_epochs_end_the_run(tmp_path):
+    write_criteo(tmp_path / "day_0", 100)
+    config = TrainConfig(data=f"criteo:{tmp_path}", **{**SMALL, "batch_size": 16}, steps=None,
+                         epochs=2, out_dir=str(tmp_path / "out"))
+    # 100 rows = 7 batches (the last padded); 2 are held out -> 5 per epoch.
+    assert train(config)["steps"] == 10
+
+
+@pytest.mark.parametrize("layout", ["u.data", "ratings.dat"])
+def test_movielens_ratings_train(tmp_path, layout):
+    rng = np.random.default_rng(1)
+    users, items, n = 30, 20, 1200
+    u, v = rng.normal(size=(users, 3)), rng.normal(size=(items, 3))
+    uid, iid = rng.integers(1, users, n), rng.integers(1, items, n)
+    rating = np.clip(np.round(3 + (u[uid] * v[iid]).sum(1)), 1, 5).astype(int)
+    sep = "\t" if layout == "u.data" else "::"
+    (tmp_path / layout).write_text("".join(
+        f"{a}{sep}{b}{sep}{r}{sep}{874965758 + k}\n" for k, (a, b, r) in enumerate(zip(uid, iid, rating))))
+    config = TrainConfig(data=f"movielens:{tmp_path / layout}", batch_size=64, epochs=8, steps=None,
+                         eval_every=1000, table_learning_rate=0.3,
+                         out_dir=str(tmp_path / "out"))
+    record = train(config)
+    assert config.model == "mf" and record["steps"] == 8 * (1080 // 64)
+    rmse = json.loads((tmp_path / "out" / "metrics.json").read_text())["final"]["rmse"]
+    assert rmse < float(np.std(rating)), rmse  # better than predicting the mean
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--data", "parquet:x"], "data must be 'synthetic', 'criteo:PATH' or 'movielens:PATH'"),
+    (["--data", "movielens:x", "--model", "dlrm"], "does not fit data 'movielens'"),
+    (["--batch-size", "0"], "batch_size must be an int >= 1, got 0"),
+    (["--resume"], "resume needs checkpoint_dir"),
+    (["--data", "criteo:/no/such/file.tsv"], "/no/such/file.tsv"),
+    (["--data", "movielens:/no/such/u.data"], "MovieLens ratings file not found"),
+])
+def test_bad_input_gets_a_clear_message(args, message, capsys, tmp_path):
+    assert main([*args, "--out-dir", str(tmp_path)]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_file_in_the_wrong_format(tmp_path, capsys):
+    bad = tmp_path / "train.txt"
+    bad.write_text("1\t2\t3\n")
+    assert main(["--data", f"criteo:{bad}", "--steps", "2", "--out-dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert str(bad) in err and "line 1" in err
+    assert main(["--data", f"movielens:{bad}", "--steps", "2", "--out-dir", str(tmp_path)]) == 1
+    assert "line 1" in capsys.readouterr().err
+
+
+def test_resume_without_a_checkpoint(tmp_path, capsys):
+    assert main(["--checkpoint-dir", str(tmp_path / "none"), "--resume", "--steps", "2",
+                 "--out-dir", str(tmp_path)]) == 1
+    assert "no checkpoint in" in capsys.readouterr().err
