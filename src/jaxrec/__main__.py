@@ -1,6 +1,7 @@
 """The ``jaxrec`` command (also ``python -m jaxrec``).
 
-    jaxrec train  trains a model end to end (default: DLRM on synthetic data; --help)
+    jaxrec train  trains a model end to end (the default command: DLRM on synthetic data;
+                  jaxrec train --help)
     jaxrec bench  the TBE lookup benchmark (GPU when there is one, else CPU; --help)
     jaxrec demo   a short tour: the build, a KeyedJaggedTensor, bounds checking and a
                   table-batched lookup with its gradient
@@ -70,7 +71,7 @@ def demo() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="jaxrec", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="demo",
+    parser.add_argument("command", nargs="?", default="train",
                         choices=["train", "bench", "demo", "info"])
     args, rest = parser.parse_known_args(argv)
     if args.command == "train":  # each sub-command parses its own arguments

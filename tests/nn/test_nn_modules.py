@@ -142,3 +142,21 @@ def test_init_bounds_and_init_fn():
                                  feature_names=["x"], weight_init_min=0.5, weight_init_max=0.6)
     w = np.asarray(bounded.init(jax.random.key(2)))
     assert w.min() >= 0.5 and w.max() <= 0.6
+
+
+def test_linen_bridge_recipe():
+    """docs/nn.md: Linen users wrap the module with nnx.bridge.to_linen (plain tables)."""
+    from flax import linen  # noqa: F401  (the bridge needs Linen)
+
+    tables = [EmbeddingBagConfig(name="t_user", num_embeddings=37, embedding_dim=8,
+                                 feature_names=["user"])]
+    ebc = nnx.bridge.to_linen(EmbeddingBagCollection, tables)
+    kjt = random_kjt(np.random.default_rng(6), ["user"])
+    variables = ebc.init(jax.random.key(0), kjt)
+    flat = variables["params"]["tables"][0]
+    layout = TableLayout.from_embedding_specs([(37, 8)])
+    np.testing.assert_allclose(ebc.apply(variables, kjt).values(),
+                               embedding_bag_lookup_kjt(flat, kjt, layout=layout).values(),
+                               rtol=1e-6, atol=1e-7)
+    grads = jax.grad(lambda v: ebc.apply(v, kjt).values().sum())(variables)
+    assert grads["params"]["tables"][0].shape == (37 * 8,)
