@@ -11,7 +11,11 @@ each timed in this one process with the same dense part and dense optimizer (Ada
                   jaxrec.nn.make_train_step (tables updated in place in the backward);
 - jaxrec DLRM_DCN (3 cross layers, rank 512), fused rowwise Adagrad;
 - plain JAX:      26 nnx.Embed-style tables (a gather per feature), optax.adagrad / sgd
-                  over every parameter: the dense gradient of each table, O(table) per step.
+                  over every parameter: the dense gradient of each table (XLA may turn
+                  SGD's scatter into zeros + add into a scatter into the table);
+- the two halves of the fused step: embeddings_only (the collection under a fixed random
+  cotangent: lookup, fused backward and update) and dense_only (the MLPs and the
+  interaction on constant pooled embeddings).
 
 A step's time is the median of 3 repeats of ``iters`` back-to-back steps (the host
 waits once per repeat) over 4 pre-generated batches already on the device; samples/s =
@@ -54,14 +58,42 @@ class EmbedArch(nnx.Module):
         self.dim = dim
 
     def embedding_bag_configs(self):
-        return [EmbeddingBagConfig(name=k, num_embeddings=1, embedding_dim=self.dim, feature_names=[k])
-                for k in self.keys]
+        return FixedSparse.embedding_bag_configs(self)
 
     def __call__(self, kjt):
         b = kjt.stride()
         ids = kjt.values()[: b * len(self.keys)].reshape(len(self.keys), b)  # one id per bag
         rows = [e(ids[k]) for k, e in enumerate(self.embeds)]
         return KeyedTensor(list(self.keys), [self.dim] * len(self.keys), jnp.concatenate(rows, 1))
+
+
+class FixedSparse(nnx.Module):
+    """Pooled embeddings that are a constant: DLRM's dense part alone ("dense_only")."""
+
+    def __init__(self, keys, pooled):
+        self.feature_names = tuple(keys)
+        self.pooled = nnx.Variable(pooled)  # not a Param: never trained, carried through
+        self.dim = pooled.shape[1] // len(keys)
+
+    def embedding_bag_configs(self):
+        return [EmbeddingBagConfig(name=k, num_embeddings=1, embedding_dim=self.dim,
+                                   feature_names=[k]) for k in self.feature_names]
+
+    def __call__(self, kjt):
+        return KeyedTensor(list(self.feature_names), [self.dim] * len(self.feature_names),
+                           self.pooled[...])
+
+
+class SparseOnly(nnx.Module):
+    """The collection alone, under a fixed random cotangent ("embeddings_only"): the lookup
+    and the fused backward + update, without the MLPs."""
+
+    def __init__(self, ebc, cotangent):
+        self.ebc = ebc
+        self.cotangent = nnx.Variable(cotangent)
+
+    def __call__(self, dense, kjt):
+        return jnp.sum(self.ebc(kjt).values() * self.cotangent[...], axis=1, keepdims=True)
 
 
 def bce(model, batch):
@@ -79,6 +111,15 @@ def build(variant, keys, sizes, batch_size):
         tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM,
                                      feature_names=[k]) for k, n in zip(keys, sizes)]
         sparse = EmbeddingBagCollection(tables, optimizer=config, rngs=rngs)
+    if variant == "embeddings_only":
+        cotangent = jax.random.normal(jax.random.key(1), (batch_size, DIM * len(keys))) * 1e-3
+        model = SparseOnly(sparse, cotangent)
+        return model, PartitionedOptimizer(model, optax.adam(1e-3))
+    if variant == "dense_only":
+        del sparse
+        gc.collect()
+        pooled = jax.random.normal(jax.random.key(1), (batch_size, DIM * len(keys))) * 0.1
+        sparse = FixedSparse(keys, pooled)
     if "dcn" in variant:
         model = DLRM_DCN(sparse, 13, BOTTOM, TOP, dcn_num_layers=3, dcn_low_rank_dim=512, rngs=rngs)
     else:
@@ -141,7 +182,7 @@ def main(argv=None) -> int:
     batches = [jax.device_put(b) for b in log.batches(batch_size, 4)]
     data_s = time.perf_counter() - start
     variants = ["fused_rowwise_adagrad", "fused_exact_adagrad", "dcn_fused_rowwise_adagrad",
-                "plain_sgd", "plain_adagrad"]
+                "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
     if args.only:
         variants = args.only.split(",")
     device = jax.devices()[0]

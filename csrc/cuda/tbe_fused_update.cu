@@ -133,23 +133,40 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   row.dim = ga.dims[f0];
   const int64_t row_start = ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
 
-  // 1. The row's summed gradient, in sorted order.
+  // 1. The row's summed gradient, in sorted order. The lanes read the run's entries 32 at
+  // a time (key, position, bag -> scale and gradient row) and the warp then walks them in
+  // order; the gradient loads of successive entries do not depend on each other, so many are
+  // in flight at once. A hot row (a Zipf head id: tens of thousands of entries) would
+  // otherwise pay one memory latency per entry.
 #pragma unroll
   for (int e = 0; e < row.Size(); ++e) row.g[e] = 0.f;
-  for (int64_t j = i; j < ga.num_indices && sorted_keys[j] == key; ++j) {
-    const I p = sorted_positions[j];
-    const int64_t bag = sorted_bags[j];
-    const float scale = PositionScale(ga, offsets, bag, p);
-    const float* g = GradRow(ga, grad, bag, bag / ga.batch_size, p);
+  for (int64_t base = i;; base += kWarpSize) {
+    const int64_t j = base + row.lane;
+    const bool mine = j < ga.num_indices && sorted_keys[j] == key;  // a prefix of the lanes
+    unsigned long long g_address = 0;
+    float scale = 0.f;
+    if (mine) {
+      const I p = sorted_positions[j];
+      const int64_t bag = sorted_bags[j];
+      scale = PositionScale(ga, offsets, bag, p);
+      g_address = reinterpret_cast<unsigned long long>(GradRow(ga, grad, bag, bag / ga.batch_size, p));
+    }
+    const int n = __popc(__ballot_sync(0xffffffff, mine));
+#pragma unroll 8
+    for (int t = 0; t < n; ++t) {
+      const float* g = reinterpret_cast<const float*>(__shfl_sync(0xffffffff, g_address, t));
+      const float entry_scale = __shfl_sync(0xffffffff, scale, t);
 #pragma unroll
-    for (int k = 0; k < kChunks; ++k) {
-      const int64_t c = 128 * k + 4 * row.lane;
-      if (c < row.dim) {
-        float4 acc = Get4(row.g + 4 * k);
-        Fma4(acc, scale, LoadAny4(g + c, ColumnsLeft(row.dim, c)));
-        Put4(row.g + 4 * k, acc);
+      for (int k = 0; k < kChunks; ++k) {
+        const int64_t c = 128 * k + 4 * row.lane;
+        if (c < row.dim) {
+          float4 acc = Get4(row.g + 4 * k);
+          Fma4(acc, entry_scale, LoadAny4(g + c, ColumnsLeft(row.dim, c)));
+          Put4(row.g + 4 * k, acc);
+        }
       }
     }
+    if (n < kWarpSize) break;
   }
 
   // 2. Weights and state in, the optimizer, 3. out.
