@@ -37,6 +37,8 @@ TARGETS = {
         "jaxrec_tbe_forward": "JaxrecTbeForwardCuda",
         "jaxrec_tbe_backward_sorted": "JaxrecTbeBackwardSortedCuda",
         "jaxrec_tbe_fused_update": "JaxrecTbeFusedUpdateCuda",
+        "jaxrec_tt_forward": "JaxrecTtForwardCuda",
+        "jaxrec_tt_backward": "JaxrecTtBackwardCuda",
     },
 }
 
@@ -117,7 +119,11 @@ def _load(platform: str) -> bool:
     check_ffi_compatibility(info["ffi_api_version"], info["runtime_ffi_api_version"])
     library = ctypes.CDLL(str(_library_path(_LIBRARIES[platform])))
     for target, symbol in TARGETS[platform].items():
-        handler = jax.ffi.pycapsule(getattr(library, symbol))
+        try:
+            handler = jax.ffi.pycapsule(getattr(library, symbol))
+        except AttributeError:
+            raise RuntimeError(f"jaxrec's {platform} library lacks the handler {symbol} of {target}: "
+                               "it was built from older sources. " + _REBUILD_HINT) from None
         try:
             jax.ffi.register_ffi_target(target, handler, platform=_XLA_PLATFORM_NAMES[platform])
         except Exception as error:  # XLA's own message names the API versions.
@@ -137,7 +143,8 @@ def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
     """Calls `kernel(*args)` on platforms with compiled handlers, else `reference(*args)`.
 
     `kernel` is one function for every platform, or a dict {"cpu": ..., "cuda": ...}
-    where the platforms' handlers take different operands.
+    where the platforms' handlers take different operands; a platform missing from the
+    dict (an op with no kernel there) runs the reference.
 
     backend: "auto" (kernel where built, reference elsewhere), "kernel" (always the
     handler; lowering fails on a platform without one) or "reference" (always the
@@ -153,11 +160,11 @@ def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
     if backend == "kernel":
         # Always the handlers, and the reference is not even traced (it may not handle
         # every input the kernels do): lowering for a platform without a handler fails.
-        available = {p: kernels[p] for p in _LIBRARIES if has_kernel(p)}
+        available = {p: kernels[p] for p in _LIBRARIES if p in kernels and has_kernel(p)}
         if not available:
             raise RuntimeError("backend='kernel' but jaxrec has no compiled handlers "
                                "(jaxrec.build_info()); " + _REBUILD_HINT)
         return jax.lax.platform_dependent(*args, **available)
-    branches = {p: (kernels[p] if has_kernel(p) else reference) for p in _LIBRARIES}
+    branches = {p: (kernels[p] if p in kernels and has_kernel(p) else reference) for p in _LIBRARIES}
     return jax.lax.platform_dependent(*args, default=reference, **branches)
 

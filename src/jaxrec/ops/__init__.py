@@ -11,6 +11,11 @@ from jaxrec.ops.tbe_kjt import embedding_bag_lookup_kjt
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, init_weights
 from jaxrec.ops.tbe_reference import embedding_bag_reference
 from jaxrec.ops.tbe_sparse_grad import SparseRowGrad, embedding_bag_sparse_grad
+from jaxrec.ops.tt_cache import TTCache
+from jaxrec.ops.tt_embedding import tt_embedding_bag
+from jaxrec.ops.tt_init import WEIGHT_DISTS, init_tt_cores
+from jaxrec.ops.tt_layout import TTLayout, suggested_tt_shapes
+from jaxrec.ops.tt_reference import tt_embedding_bag_reference, tt_full_weight, tt_rows
 
 __all__ = [
     "BoundsCheckMode",
@@ -19,10 +24,19 @@ __all__ = [
     "bounds_check_indices_reference",
     "PoolingMode",
     "SparseRowGrad",
+    "TTCache",
+    "TTLayout",
     "TableLayout",
+    "WEIGHT_DISTS",
     "embedding_bag_lookup",
     "embedding_bag_lookup_kjt",
     "embedding_bag_reference",
     "embedding_bag_sparse_grad",
+    "init_tt_cores",
     "init_weights",
+    "suggested_tt_shapes",
+    "tt_embedding_bag",
+    "tt_embedding_bag_reference",
+    "tt_full_weight",
+    "tt_rows",
 ]

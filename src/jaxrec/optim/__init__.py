@@ -31,6 +31,7 @@ from jaxrec.optim._configs import (
 from jaxrec.optim._fused import fused_update_reference
 from jaxrec.optim.fused_update import fused_update
 from jaxrec.optim.fused_tables import FusedEmbeddingTables, fused_lookup
+from jaxrec.optim.tt_tables import TTCacheState, TTEmbeddingTables, tt_fused_lookup
 from jaxrec.optim.partitioned import fused_value_and_grad, make_train_step
 from jaxrec.optim._rowwise import update_rows
 from jaxrec.optim._state import (
@@ -72,12 +73,15 @@ __all__ = [
     "RowWiseAdagrad",
     "RowWiseAdagradState",
     "SGDState",
+    "TTCacheState",
+    "TTEmbeddingTables",
     "fused_lookup",
     "fused_update",
     "fused_update_reference",
     "fused_value_and_grad",
     "init_state",
     "make_train_step",
+    "tt_fused_lookup",
     "row_offsets",
     "set_learning_rate",
     "split_optimizer_states",

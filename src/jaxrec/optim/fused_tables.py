@@ -88,6 +88,11 @@ class FusedEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine: no recompile)."""
         return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
 
+    def after_fused_update(self, updated: FusedEmbeddingTables) -> FusedEmbeddingTables:
+        """The tables after one fused update whose results ``updated`` carries (partitioned.py)."""
+        return FusedEmbeddingTables(updated.weights, updated.state._replace(step=self.state.step + 1),
+                                    self.hparams, self.layout, self.config, self.name)
+
     def set_hyperparams(self, **values) -> FusedEmbeddingTables:
         """The same tables with new numbers, e.g. ``eps=1e-6`` (fields of OptimizerHyperparams)."""
         unknown = set(values) - set(C.OptimizerHyperparams._fields)

@@ -29,17 +29,21 @@ import jax
 import optax
 
 from jaxrec.optim.fused_tables import FusedEmbeddingTables, record_updates
+from jaxrec.optim.tt_tables import TTEmbeddingTables
+
+FUSED_TYPES = (FusedEmbeddingTables, TTEmbeddingTables)
+"""Pytrees whose lookup's backward returns their updated selves (``after_fused_update``)."""
 
 
 def _is_tables(x) -> bool:
-    return isinstance(x, FusedEmbeddingTables)
+    return isinstance(x, FUSED_TYPES)
 
 
 def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
     """``jax.value_and_grad`` for losses that use ``fused_lookup``.
 
     ``loss_fn(params, tables, *args)`` where ``tables`` is a pytree holding
-    ``FusedEmbeddingTables``. Returns a function giving ``(value, dense_grads, tables)``:
+    ``FusedEmbeddingTables`` and ``TTEmbeddingTables``. Returns a function giving ``(value, dense_grads, tables)``:
     ``value`` as ``jax.value_and_grad`` gives it (``(loss, aux)`` with ``has_aux``), the
     gradient of ``params``, and the tables after their fused update. Tables whose
     lookup did not reach the loss come back unchanged (step not advanced); a tables
@@ -52,8 +56,8 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
         names = Counter(t.name for t in fused)
         clashes = sorted(n for n, c in names.items() if c > 1)
         if clashes:
-            raise ValueError(f"FusedEmbeddingTables names must be unique within a loss; {clashes} "
-                             "name several. Give each a distinct name= in FusedEmbeddingTables.create")
+            raise ValueError(f"fused tables names must be unique within a loss; {clashes} "
+                             "name several. Give each a distinct name= in its create()")
         grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux, allow_int=True)
         with record_updates() as updates:
             value, (dense_grads, table_grads) = grad_fn(params, tables, *args, **kwargs)
@@ -71,8 +75,7 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
         def take(old, new):
             if not _is_tables(old) or updates.get(old.name, 0) == 0:
                 return old  # not looked up, or its output did not reach the loss
-            return FusedEmbeddingTables(new.weights, new.state._replace(step=old.state.step + 1),
-                                        old.hparams, old.layout, old.config, old.name)
+            return old.after_fused_update(new)
 
         new_tables = jax.tree.map(take, tables, table_grads, is_leaf=_is_tables)
         return value, dense_grads, new_tables
