@@ -7,17 +7,20 @@
   (fused: the optimizer runs inside the backward, in place).
 - ``PartitionedOptimizer`` + ``make_train_step``: optax on the dense parameters, the fused
   update on the tables, one jitted and donating step.
+- ``TTEmbeddingBag``: FBTT's tensor-train compressed embedding bag; inside a collection,
+  a table becomes TT with ``EmbeddingBagConfig(tt=TTConfig(...))``.
 - ``MLP``, ``LowRankCrossNet``: the dense building blocks of DLRM and DCN.
 
 Linen users: wrap a module with ``flax.nnx.bridge.to_linen`` (docs/nn.md).
 """
 
-from jaxrec.nn._configs import EmbeddingBagConfig, EmbeddingConfig
+from jaxrec.nn._configs import EmbeddingBagConfig, EmbeddingConfig, TTConfig
 from jaxrec.nn._embedding_bag_collection import EmbeddingBagCollection
 from jaxrec.nn._embedding_collection import EmbeddingCollection
 from jaxrec.nn._layers import MLP, LowRankCrossNet
 from jaxrec.nn._tables import FusedTables
 from jaxrec.nn._train import PartitionedOptimizer, make_train_step
+from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 
 __all__ = [
     "MLP",
@@ -28,5 +31,7 @@ __all__ = [
     "FusedTables",
     "LowRankCrossNet",
     "PartitionedOptimizer",
+    "TTConfig",
+    "TTEmbeddingBag",
     "make_train_step",
 ]

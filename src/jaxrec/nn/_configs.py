@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.ops import PoolingMode, TableLayout
+from jaxrec.ops import WEIGHT_DISTS, PoolingMode, TableLayout, TTLayout
 from jaxrec.ops.tbe_layout import as_pooling_mode
+from jaxrec.optim import OptimizerConfig
 
 _DTYPES = ("float32", "float16", "bfloat16")
 
@@ -81,11 +82,46 @@ class EmbeddingConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class TTConfig:
+    """Makes a pooled table tensor-train compressed (``EmbeddingBagConfig(tt=TTConfig(...))``).
+
+    The fields are FBTT's ``TTEmbeddingBag`` arguments; see ``jaxrec.nn.TTEmbeddingBag``.
+    """
+
+    tt_ranks: tuple[int, ...]
+    """The T - 1 inner ranks (2 to 4 cores)."""
+    tt_p_shapes: tuple[int, ...] | None = None
+    """Row factorisation (prod >= num_embeddings); None picks the most even one."""
+    tt_q_shapes: tuple[int, ...] | None = None
+    """Column factorisation (prod == embedding_dim); None picks the most even one."""
+    weight_dist: str = "approx-normal"
+    """Initial distribution (``jaxrec.ops.tt_init``)."""
+    cache_size: int = 0
+    """Rows of the LFU cache of hot rows (fused training only); 0 = no cache."""
+    hashtbl_size: int = 0
+    """Counters of the cache's frequency table; 0 = 2 * cache_size."""
+    optimizer: OptimizerConfig | None = None
+    """The table's fused optimizer (SGD or Adagrad) when it differs from the collection's,
+    e.g. a collection trained by RowWiseAdagrad whose TT table uses Adagrad."""
+
+    def __post_init__(self):
+        for field in ("tt_ranks", "tt_p_shapes", "tt_q_shapes"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, tuple(value))
+        if self.weight_dist not in WEIGHT_DISTS:
+            raise ValueError(f"weight_dist must be one of {WEIGHT_DISTS}, got {self.weight_dist!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EmbeddingBagConfig(EmbeddingConfig):
     """A pooled table (TorchRec's ``EmbeddingBagConfig``): each bag of ids becomes one row."""
 
     pooling: PoolingMode | str = PoolingMode.SUM
     """SUM or MEAN (NONE is for ``EmbeddingCollection``)."""
+    tt: TTConfig | None = None
+    """Store the table as tensor-train cores (FBTT) instead of a dense matrix; float32 only.
+    A TT table is looked up on its own (not batched with the dense tables)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -94,6 +130,19 @@ class EmbeddingBagConfig(EmbeddingConfig):
             raise ValueError(f"table {self.name!r}: an EmbeddingBagConfig pools (SUM or MEAN); for "
                              "one embedding per id use EmbeddingConfig in an EmbeddingCollection")
         object.__setattr__(self, "pooling", pooling)
+        if self.tt is not None:
+            if not isinstance(self.tt, TTConfig):
+                raise TypeError(f"table {self.name!r}: tt must be a jaxrec.nn.TTConfig, got "
+                                f"{type(self.tt).__name__}")
+            if self.dtype != "float32":
+                raise ValueError(f"table {self.name!r}: TT tables are float32, got dtype={self.dtype!r}")
+            self.tt_layout()  # validates the factorisation now, not at the first lookup
+
+    def tt_layout(self) -> TTLayout:
+        """The table's ``TTLayout`` (for a TT table)."""
+        tt = self.tt
+        return TTLayout.create(self.num_embeddings, self.embedding_dim, tt.tt_ranks,
+                               tt.tt_p_shapes, tt.tt_q_shapes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,10 +155,16 @@ class TableGroup:
     layout: TableLayout
     feature_names: tuple[str, ...]
 
+    @property
+    def tt(self) -> bool:
+        """Whether the group is one TT table (looked up by ``TTEmbeddingBag``)."""
+        return getattr(self.tables[0], "tt", None) is not None
+
 
 def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None = None
                  ) -> tuple[TableGroup, ...]:
-    """Checks ``tables`` and groups them by (pooling, dtype), in order of first appearance.
+    """Checks ``tables`` and groups them by (pooling, dtype), in order of first appearance;
+    each TT table is a group of its own.
 
     ``pooling`` overrides the tables' own (``PoolingMode.NONE`` for sequence embeddings).
     """
@@ -122,9 +177,12 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
     order: dict[tuple, list[EmbeddingConfig]] = {}
     for t in tables:
         p = pooling if pooling is not None else t.pooling
-        order.setdefault((p, t.dtype), []).append(t)
+        key = (p, t.dtype) if getattr(t, "tt", None) is None else ("tt", t.name)  # TT: alone
+        order.setdefault(key, []).append(t)
     groups = []
-    for (p, dtype), members in order.items():
+    for members in order.values():
+        p = pooling if pooling is not None else members[0].pooling
+        dtype = members[0].dtype
         features = tuple(f for t in members for f in t.feature_names)
         layout = TableLayout(rows=tuple(t.num_embeddings for t in members),
                              dims=tuple(t.embedding_dim for t in members),

@@ -47,15 +47,18 @@ class TableCollection(nnx.Module):
         self.backend = backend
         self.name = name
         self.feature_names = tuple(f for t in self.table_configs for f in t.feature_names)
-        initial = {t.name: t.init(rngs.params()) for t in tables}  # keys drawn in config order
+        keys = {t.name: rngs.params() for t in tables}  # keys drawn in config order
         variables = []
         for i, g in enumerate(groups):
-            flat = g.layout.merge_embedding_weights([initial[t.name] for t in g.tables])
+            group_name = name if len(groups) == 1 else f"{name}.{i}"
+            if g.tt:  # a module of its own, holding a Param list or a FusedTables
+                variables.append(_tt_module(g.tables[0], optimizer, group_name, keys))
+                continue
+            flat = g.layout.merge_embedding_weights([t.init(keys[t.name]) for t in g.tables])
             flat = flat.astype(g.dtype)
             if optimizer is None:
                 variables.append(nnx.Param(flat))
             else:
-                group_name = name if len(groups) == 1 else f"{name}.{i}"
                 variables.append(FusedTables(FusedEmbeddingTables.create(
                     g.layout, optimizer, weights=flat, name=group_name)))
         self.tables = nnx.List(variables)
@@ -68,6 +71,9 @@ class TableCollection(nnx.Module):
         """``{table name: [num_embeddings, embedding_dim]}`` (views of the flat buffers)."""
         out = {}
         for g, var in zip(self.groups, self.tables):
+            if g.tt:  # materialised from the cores: num_embeddings x dim floats
+                out[g.tables[0].name] = var.full_weight()
+                continue
             flat = var.get_value().weights if self.fused else var.get_value()
             out.update(zip((t.name for t in g.tables), g.layout.split_embedding_weights(flat)))
         return out
@@ -77,8 +83,17 @@ class TableCollection(nnx.Module):
         if not self.fused:
             raise ValueError(f"{type(self).__name__} {self.name!r} has plain tables: their "
                              "learning rate is the optax optimizer's")
-        for var in self.tables:
-            var.set_value(var.get_value().set_learning_rate(learning_rate))
+        for g, var in zip(self.groups, self.tables):
+            if g.tt:
+                var.set_learning_rate(learning_rate)
+            else:
+                var.set_value(var.get_value().set_learning_rate(learning_rate))
+
+    def cache_populate(self) -> None:
+        """Refreshes the LFU cache of every TT table that has one (``TTEmbeddingBag.cache_populate``)."""
+        for g, var in zip(self.groups, self.tables):
+            if g.tt:
+                var.cache_populate()
 
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
         """One KJT per group, holding that group's features in its layout's order."""
@@ -101,12 +116,33 @@ class TableCollection(nnx.Module):
         """Group ``i``'s lookup: ``[B, total_dim]`` pooled, or ``[capacity, dim]`` for NONE."""
         values = features.values()
         offsets = features.offsets().astype(values.dtype)
+        if self.groups[i].tt:
+            return self.tables[i](values, offsets, features.weights_or_none(),
+                                  num_features=len(self.groups[i].feature_names))
         kwargs = dict(pooling=pooling, per_sample_weights=features.weights_or_none(),
                       bounds_check_mode=self.bounds_check_mode, backend=self.backend)
         table = self.tables[i].get_value()
         if self.fused:
             return fused_lookup(table, values, offsets, **kwargs)
         return embedding_bag_lookup(table, values, offsets, layout=self.groups[i].layout, **kwargs)
+
+
+def _tt_module(config, optimizer, name: str, keys):
+    """The ``TTEmbeddingBag`` of a TT table of a collection."""
+    from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag  # it imports FusedTables from here
+
+    tt = config.tt
+    if optimizer is not None and tt.optimizer is not None:
+        optimizer = tt.optimizer
+    elif optimizer is None and tt.optimizer is not None:
+        raise ValueError(f"table {config.name!r}: TTConfig.optimizer is set but the collection "
+                         "has plain tables (optimizer=None); give the collection a fused optimizer "
+                         "or drop TTConfig.optimizer")
+    return TTEmbeddingBag(
+        config.num_embeddings, config.embedding_dim, tt_ranks=tt.tt_ranks,
+        tt_p_shapes=tt.tt_p_shapes, tt_q_shapes=tt.tt_q_shapes, pooling=config.pooling,
+        weight_dist=tt.weight_dist, optimizer=optimizer, cache_size=tt.cache_size,
+        hashtbl_size=tt.hashtbl_size, rngs=nnx.Rngs(params=keys[config.name]), name=name)
 
 
 def concat_in_order(blocks: Sequence[tuple[str, jax.Array]], keys: Sequence[str]) -> jax.Array:

@@ -1,0 +1,126 @@
+"""``TTEmbeddingBag``: FBTT's tensor-train embedding bag as a Flax NNX module.
+
+::
+
+    emb = TTEmbeddingBag(11_000_000, 64, tt_ranks=[32, 32],            # p, q factorised:
+                         optimizer=jaxrec.optim.SGD(learning_rate=0.1),  # (200, 220, 250),
+                         cache_size=10_000, rngs=nnx.Rngs(0))            # (4, 4, 4)
+    out = emb(indices, offsets)          # [B, 64], as torch.nn.EmbeddingBag(mode="sum")
+    emb.compression_ratio                # 734: 3.8 MB of cores instead of 2.8 GB
+    emb.cache_populate()                 # every so often, when the cache is on
+
+Two modes, as the collections have:
+
+* **plain** (``optimizer=None``): the cores are ``nnx.Param`` s; ``jax.grad`` gives their
+  dense gradients and optax trains them (FBTT's ``sparse=False``).
+* **fused** (``optimizer=SGD(...)`` or ``Adagrad(...)``, FBTT's ``sparse=True``): a
+  ``FusedTables`` variable holding ``jaxrec.optim.TTEmbeddingTables``; the backward
+  updates the cores in place. Train with ``jaxrec.nn.make_train_step``. The LFU cache
+  (``cache_size > 0``) needs this mode: the fused backward trains the cached rows and
+  counts the ids.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrec.nn._tables import FusedTables
+from jaxrec.ops import BoundsCheckMode, PoolingMode, TTLayout, init_tt_cores, tt_embedding_bag
+from jaxrec.ops.tbe_layout import as_pooling_mode
+from jaxrec.ops.tt_reference import tt_full_weight
+from jaxrec.optim import OptimizerConfig, TTEmbeddingTables, tt_fused_lookup
+
+
+class TTEmbeddingBag(nnx.Module):
+    """Pooled rows of a TT-compressed table (FBTT's ``TTEmbeddingBag``).
+
+    Args:
+      num_embeddings, embedding_dim: the table's shape.
+      tt_ranks: the T - 1 inner ranks (2 to 4 cores).
+      tt_p_shapes, tt_q_shapes: the factorisations of the rows and of the columns; ``None``
+        picks the most even ones (``jaxrec.ops.suggested_tt_shapes``).
+      pooling: "sum" or "mean".
+      weight_dist: "approx-normal" (default), "approx-uniform", "normal" or "uniform"
+        (``jaxrec.ops.tt_init``).
+      optimizer: ``None`` (plain) or ``jaxrec.optim.SGD`` / ``Adagrad`` (fused).
+      cache_size, hashtbl_size: the LFU cache of hot rows (fused mode only); 0 = off.
+      rngs: ``rngs.params()`` initialises the cores.
+      bounds_check_mode, backend: as ``jaxrec.ops.tt_embedding_bag``.
+      name: the fused tables' name, unique among the fused tables of one model.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tt_ranks: Sequence[int],
+                 tt_p_shapes: Sequence[int] | None = None,
+                 tt_q_shapes: Sequence[int] | None = None,
+                 pooling: PoolingMode | str = PoolingMode.SUM, weight_dist: str = "approx-normal",
+                 optimizer: OptimizerConfig | None = None, cache_size: int = 0,
+                 hashtbl_size: int = 0, rngs: nnx.Rngs,
+                 bounds_check_mode: BoundsCheckMode | str = BoundsCheckMode.WARNING,
+                 backend: str = "auto", name: str = "tt"):
+        self.layout = TTLayout.create(num_embeddings, embedding_dim, tt_ranks, tt_p_shapes,
+                                      tt_q_shapes)
+        self.pooling = as_pooling_mode(pooling)
+        self.optimizer = optimizer
+        self.bounds_check_mode = bounds_check_mode
+        self.backend = backend
+        cores = init_tt_cores(rngs.params(), self.layout, weight_dist)
+        if optimizer is None:
+            if cache_size:
+                raise ValueError(f"TTEmbeddingBag {name!r}: cache_size={cache_size} needs fused "
+                                 "training (optimizer=jaxrec.optim.SGD(...) or Adagrad(...)): the "
+                                 "fused backward trains the cached rows and counts the ids")
+            self.cores = nnx.List([nnx.Param(c) for c in cores])
+        else:
+            self.table = FusedTables(TTEmbeddingTables.create(
+                self.layout, optimizer, cores=cores, cache_size=cache_size,
+                hashtbl_size=hashtbl_size, name=name))
+
+    @property
+    def fused(self) -> bool:
+        return self.optimizer is not None
+
+    @property
+    def compression_ratio(self) -> float:
+        """Floats of the dense table over floats of the cores."""
+        return self.layout.compression_ratio
+
+    def __call__(self, indices: jax.Array, offsets: jax.Array,
+                 per_sample_weights: jax.Array | None = None, *, num_features: int = 1) -> jax.Array:
+        """``float32[B, num_features * D]``; ``offsets`` has ``num_features * B + 1`` entries."""
+        kwargs = dict(pooling=self.pooling, per_sample_weights=per_sample_weights,
+                      num_features=num_features, bounds_check_mode=self.bounds_check_mode,
+                      backend=self.backend)
+        if self.fused:
+            return tt_fused_lookup(self.table.get_value(), indices, offsets, **kwargs)
+        cores = tuple(c.get_value() for c in self.cores)
+        return tt_embedding_bag(cores, indices, offsets, layout=self.layout, **kwargs)
+
+    def full_weight(self) -> jax.Array:
+        """The dense ``[num_embeddings, D]`` table (cached rows where cached): tests, export."""
+        if self.fused:
+            return self.table.get_value().full_weight()
+        return tt_full_weight(tuple(c.get_value() for c in self.cores), layout=self.layout)
+
+    materialize = full_weight
+
+    def cache_populate(self) -> None:
+        """Moves the most frequent ids into the cache (no-op without one); see TTEmbeddingTables."""
+        if self.fused:
+            self.table.set_value(self.table.get_value().cache_populate())
+
+    def cache_hit_rate(self, indices: jax.Array) -> jax.Array:
+        """Fraction of ``indices`` the cache serves now (0 without a cache)."""
+        if not self.fused:
+            return jnp.zeros((), jnp.float32)
+        return self.table.get_value().cache_hit_rate(indices)
+
+    def set_learning_rate(self, learning_rate) -> None:
+        """New learning rate of the fused optimizer."""
+        if not self.fused:
+            raise ValueError("this TTEmbeddingBag has plain cores: their learning rate is the "
+                             "optax optimizer's")
+        self.table.set_value(self.table.get_value().set_learning_rate(learning_rate))
