@@ -27,6 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--epochs", type=int, help="passes over a file (criteo, movielens)")
     p.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
     p.add_argument("--max-rows", type=int, default=d.max_rows, help="cap on every table's rows")
+    p.add_argument("--tt-ranks", type=_ints, default=d.tt_ranks, metavar="R1,R2",
+                   help="TT-compress the tables of >= --tt-min-rows rows with these ranks")
+    p.add_argument("--tt-min-rows", type=int, default=d.tt_min_rows)
     p.add_argument("--eval-every", type=int, default=d.eval_every)
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--checkpoint-dir")
@@ -36,6 +39,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--backend", choices=("auto", "kernel", "reference"), default=d.backend)
     return p
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints, got {text!r}") from None
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -45,6 +45,11 @@ class TrainConfig:
     embedding_dim: int = 16
     max_rows: int = 20_000
     """Caps every table (Criteo ids are hashed modulo the table size)."""
+    tt_ranks: tuple[int, ...] = ()
+    """TT-compress (FBTT) every table of at least ``tt_min_rows`` rows with these inner
+    ranks, e.g. (8, 8) for three cores; () keeps all tables dense. A TT table trains with
+    fused Adagrad (SGD when table_optimizer is sgd; plain optax when it is plain)."""
+    tt_min_rows: int = 10_000
     eval_every: int = 250
     eval_batches: int = 4
     """Batches of held-out data per evaluation (all of the test split for movielens)."""
@@ -77,7 +82,12 @@ class TrainConfig:
         if self.dense_optimizer not in DENSE_OPTIMIZERS:
             raise ValueError(f"dense_optimizer must be one of {DENSE_OPTIMIZERS}, got "
                              f"{self.dense_optimizer!r}")
-        for name in ("batch_size", "embedding_dim", "max_rows", "eval_every", "eval_batches"):
+        object.__setattr__(self, "tt_ranks", tuple(self.tt_ranks))
+        if not 0 <= len(self.tt_ranks) <= 3 or not all(
+                isinstance(r, int) and r >= 1 for r in self.tt_ranks):
+            raise ValueError(f"tt_ranks must be () or 1 to 3 ints >= 1, got {self.tt_ranks!r}")
+        for name in ("batch_size", "embedding_dim", "max_rows", "eval_every", "eval_batches",
+                     "tt_min_rows"):
             _positive(name, getattr(self, name))
         for name in ("steps", "epochs", "checkpoint_every"):
             if getattr(self, name) is not None:

@@ -14,9 +14,9 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrec import data, metrics
+from jaxrec import data, metrics, optim
 from jaxrec.models import DLRM, DLRM_DCN, TwoTower
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig
 from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
 
 _EVAL_START = 1_000_000_000  # synthetic batches from here on are never trained on
@@ -52,12 +52,38 @@ def build_task(config: TrainConfig) -> Task:
 
 def _collection(config: TrainConfig, keys, sizes) -> EmbeddingBagCollection:
     optimizer = TABLE_OPTIMIZERS[config.table_optimizer]
+    tt = _tt_config(config)
     tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=config.embedding_dim,
-                                 feature_names=[k]) for k, n in zip(keys, sizes)]
+                                 feature_names=[k], tt=tt if tt and n >= config.tt_min_rows else None)
+              for k, n in zip(keys, sizes)]
     return EmbeddingBagCollection(
         tables, optimizer=None if optimizer is None else optimizer(
             learning_rate=config.table_learning_rate),
         rngs=nnx.Rngs(config.seed), backend=config.backend)
+
+
+def _tt_config(config: TrainConfig) -> TTConfig | None:
+    """TT tables' config: FBTT's fused SGD or Adagrad, whichever is closer to the tables'."""
+    if not config.tt_ranks:
+        return None
+    fused = None
+    if config.table_optimizer == "sgd":
+        fused = optim.SGD(learning_rate=config.table_learning_rate)
+    elif config.table_optimizer != "plain":
+        fused = optim.Adagrad(learning_rate=config.table_learning_rate)
+    return TTConfig(tt_ranks=config.tt_ranks, optimizer=fused)
+
+
+def table_memory(ebc: EmbeddingBagCollection) -> dict[str, int]:
+    """Floats of the tables as trained (TT cores for TT tables) and as dense matrices."""
+    dense = sum(t.num_embeddings * t.embedding_dim for t in ebc.table_configs)
+    stored = sum(t.tt_layout().num_parameters if t.tt else t.num_embeddings * t.embedding_dim
+                 for t in ebc.table_configs)
+    tt_dense = sum(t.num_embeddings * t.embedding_dim for t in ebc.table_configs if t.tt)
+    tt_stored = sum(t.tt_layout().num_parameters for t in ebc.table_configs if t.tt)
+    return {"dense_floats": dense, "stored_floats": stored, "tt_tables": sum(
+        1 for t in ebc.table_configs if t.tt), "tt_tables_dense_floats": tt_dense,
+        "tt_tables_stored_floats": tt_stored}
 
 
 def _passes(config: TrainConfig):
@@ -113,7 +139,7 @@ def _ctr_task(config: TrainConfig) -> Task:
     def predict(model, batch):
         return jax.nn.sigmoid(model(batch.dense, batch.sparse)[:, 0])
 
-    info.update(keys=list(keys), table_sizes=list(sizes))
+    info.update(keys=list(keys), table_sizes=list(sizes), table_memory=table_memory(ebc))
     return Task(model, loss_fn, predict, train_batches, held_out, steps_per_epoch, info)
 
 
