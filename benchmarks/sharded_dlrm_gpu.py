@@ -1,0 +1,304 @@
+"""Sharded embeddings on several GPUs: equality with the unsharded module, and weak scaling.
+
+    python benchmarks/sharded_dlrm_gpu.py --out benchmarks/results/sharded_dlrm_<device>.json
+    python benchmarks/sharded_dlrm_gpu.py --tiny --out /tmp/tiny.json     # CPU, 8 virtual devices
+
+1. **Equality** on all visible devices: for every sharding type (and all of them in one
+   plan), small tables (SUM and MEAN, a shared table, weighted ids, empty bags, a device
+   without ids), the sharded collection's forward and three fused training steps (Adam;
+   rowwise Adagrad on a plan without COLUMN_WISE; plain tables with optax.adagrad) equal
+   the unsharded module on one device within float32 tolerance. The script exits with
+   status 1 after writing the JSON if any case differs.
+2. **Weak scaling** of a DLRM train step (jaxrec.models.DLRM, 26 Criteo Kaggle tables,
+   D=128, MLPs 512-256-128 / 1024-1024-512-256-1, fused rowwise Adagrad, dense Adam, one
+   Zipf id per bag): the batch per GPU is fixed, the tables are TABLE_WISE (placed by the
+   planner) or ROW_WISE, on sub-meshes of 1, 2, 4 and 8 of the visible devices. Reported:
+   step time, samples/s, and efficiency = t(1) / t(n) (t(1): the same sharded step on one
+   device; ``vs_unsharded``: jaxrec.nn's unsharded step on one device instead).
+
+A step's time is ``jaxrec.benchmark._measure.timed``: the median of 5 repeats of
+``--iters`` back-to-back steps over 4 pre-generated batches already on the devices.
+The tables are initialised once (as the unsharded module would) and loaded into each
+sharded model through the host (jaxrec.parallel's portable form).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if "--tiny" in sys.argv:  # before JAX starts: 8 virtual CPU devices
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse
+import gc
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import jaxrec.parallel as par
+from jaxrec.benchmark._environment import environment, nvidia_driver
+from jaxrec.benchmark._measure import timed
+from jaxrec.benchmark._report import write_json
+from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, Batch, SyntheticClickLog
+from jaxrec.models import DLRM
+from jaxrec.nn import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    PartitionedOptimizer,
+    make_train_step,
+)
+from jaxrec.optim import Adam, RowWiseAdagrad
+from jaxrec.sparse import KeyedJaggedTensor
+
+FULL = {"dim": 128, "bottom": [512, 256, 128], "top": [1024, 1024, 512, 256, 1],
+        "batch": 16384, "max_rows": None, "iters": 20}
+TINY = {"dim": 16, "bottom": [32, 16], "top": [32, 16, 1], "batch": 64, "max_rows": 1000,
+        "iters": 3}
+
+
+# --- 1. equality ------------------------------------------------------------------------
+
+EQ_TABLES = [
+    EmbeddingBagConfig(name="t_user", num_embeddings=37, embedding_dim=8, feature_names=["user"]),
+    EmbeddingBagConfig(name="t_item", num_embeddings=23, embedding_dim=8,
+                       feature_names=["item", "last_item"], pooling="MEAN"),
+    EmbeddingBagConfig(name="t_geo", num_embeddings=11, embedding_dim=4, feature_names=["geo"]),
+    EmbeddingBagConfig(name="t_x", num_embeddings=50, embedding_dim=8, feature_names=["x"],
+                       pooling="MEAN"),
+    EmbeddingBagConfig(name="t_tiny", num_embeddings=3, embedding_dim=8, feature_names=["tiny"]),
+]
+EQ_KEYS = ["geo", "x", "item", "tiny", "user", "last_item"]
+EQ_ROWS = {"user": 37, "item": 23, "last_item": 23, "geo": 11, "x": 50, "tiny": 3}
+EQ_B, EQ_STEPS, RTOL, ATOL = 3, 3, 2e-5, 1e-6
+
+
+def equality_plans(n: int) -> dict:
+    local = max(1, n // 2)
+    two = lambda i: [i % n, (i + 1) % n] if n > 1 else [0]
+    return {
+        "table_wise": {t.name: par.table_wise(i * 3 % n) for i, t in enumerate(EQ_TABLES)},
+        "row_wise": {t.name: par.row_wise() for t in EQ_TABLES},
+        "column_wise": {t.name: par.column_wise(two(i)) for i, t in enumerate(EQ_TABLES)},
+        "table_row_wise": {t.name: par.table_row_wise(i % (n // local))
+                           for i, t in enumerate(EQ_TABLES)},
+        "data_parallel": {t.name: par.data_parallel() for t in EQ_TABLES},
+        "mixed": {"t_user": par.table_wise(n - 1), "t_item": par.row_wise(),
+                  "t_geo": par.column_wise(two(0)), "t_x": par.table_row_wise(n // local - 1),
+                  "t_tiny": par.data_parallel()},
+        "rows": {"t_user": par.table_wise(n - 1), "t_item": par.row_wise(),
+                 "t_geo": par.table_wise(0), "t_x": par.table_row_wise(0),
+                 "t_tiny": par.data_parallel()},
+    }, local
+
+
+def equality_batch(seed: int, n: int) -> Batch:
+    rng = np.random.default_rng(seed)
+    lengths = rng.integers(0, 4, size=(len(EQ_KEYS), n * EQ_B))
+    lengths[:, (seed % n) * EQ_B:(seed % n + 1) * EQ_B] = 0  # one device without ids
+    values = np.concatenate([rng.integers(0, min(6, EQ_ROWS[k]), lengths[i].sum())
+                             for i, k in enumerate(EQ_KEYS)])
+    weights = rng.uniform(0.5, 2.0, values.shape[0]).astype(np.float32)
+    kjt = KeyedJaggedTensor.from_lengths_sync(EQ_KEYS, values, lengths.ravel(), weights=weights)
+    return Batch(jnp.asarray(rng.normal(size=(n * EQ_B, 2)), jnp.float32), kjt,
+                 jnp.asarray(rng.normal(size=(n * EQ_B,)), jnp.float32),
+                 jnp.ones((n * EQ_B,), jnp.float32))
+
+
+class EqModel(nnx.Module):
+    def __init__(self, ebc, *, rngs):
+        self.sparse_arch = ebc
+        self.head = nnx.Linear(44 + 2, 1, rngs=rngs)
+
+    def __call__(self, dense, kjt):
+        return self.head(jnp.concatenate([self.sparse_arch(kjt).values(), dense], 1))[:, 0]
+
+
+def equality(devices) -> list[dict]:
+    n = len(devices)
+    mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
+    plans, local = equality_plans(n)
+    cases = [(kind, "adam") for kind in plans if kind != "rows"] + [("rows", "rowwise_adagrad"),
+                                                                   ("mixed", "plain")]
+    reference_steps = {}
+    results = []
+    for kind, opt_name in cases:
+        optimizer = {"adam": Adam(learning_rate=0.05), "rowwise_adagrad":
+                     RowWiseAdagrad(learning_rate=0.1), "plain": None}[opt_name]
+        tx = optax.adagrad(0.1) if optimizer is None else optax.adam(1e-2)
+
+        def build(optimizer=optimizer):
+            return EqModel(EmbeddingBagCollection(EQ_TABLES, optimizer=optimizer,
+                                                  rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+
+        with jax.default_device(devices[0]):
+            reference = build()
+        plan = par.construct_plan(EQ_TABLES, plans[kind], n, local_world_size=local)
+        model = par.shard(build(), plan, mesh)
+        ref_opt, opt = PartitionedOptimizer(reference, tx), PartitionedOptimizer(model, tx)
+        ref_step = reference_steps.setdefault(opt_name, make_train_step(
+            lambda m, b: jnp.sum((m(b.dense, b.sparse) - b.labels) ** 2) / (n * EQ_B)))
+        step = par.make_train_step(lambda m, b: jnp.sum((m(b.dense, b.sparse) - b.labels) ** 2) / EQ_B)
+        forward = par.make_forward(lambda m, kjt: m.sparse_arch(kjt).values())
+        errors = {}
+        batch = equality_batch(0, n)
+        pooled = np.asarray(forward(model, par.shard_batch(batch.sparse, mesh))).reshape(n * EQ_B, -1)
+        with jax.default_device(devices[0]):
+            errors["forward"] = _error(pooled, reference.sparse_arch(batch.sparse).values())
+        losses = []
+        for i in range(EQ_STEPS):
+            batch = equality_batch(i, n)
+            losses.append((float(step(model, opt, par.shard_batch(batch, mesh))),
+                           float(ref_step(reference, ref_opt, batch))))
+        errors["loss"] = max(_error(a, b) for a, b in losses)
+        got = model.sparse_arch.split_embedding_weights()
+        want = reference.sparse_arch.split_embedding_weights()
+        errors["tables"] = max(_error(got[k], want[k]) for k in want)
+        errors["dense"] = max(_error(a, b) for a, b in zip(jax.tree.leaves(nnx.state(model.head)),
+                                                           jax.tree.leaves(nnx.state(reference.head))))
+        ok = all(e <= 1.0 for e in errors.values())
+        results.append({"plan": kind, "optimizer": opt_name, "devices": n, "ok": ok,
+                        "error_over_tolerance": errors})
+        print(f"equality {kind:15s} {opt_name:16s} {'ok' if ok else 'MISMATCH'} {errors}",
+              file=sys.stderr, flush=True)
+    return results
+
+
+def _error(actual, expected) -> float:
+    """max |a - e| / (ATOL + RTOL |e|): <= 1 passes ``assert_allclose(rtol, atol)``."""
+    a, e = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    return float(np.max(np.abs(a - e) / (ATOL + RTOL * np.abs(e)))) if a.size else 0.0
+
+
+# --- 2. weak scaling --------------------------------------------------------------------
+
+def bce(model, batch):
+    logits = model(batch.dense, batch.sparse)[:, 0]
+    return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, batch.labels))
+
+
+def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
+    log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
+                            max_rows=cfg["max_rows"], seed=0)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=cfg["dim"],
+                                 feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
+    optimizer = RowWiseAdagrad(learning_rate=0.01)
+    start = time.perf_counter()
+    rngs = nnx.Rngs(0)  # the keys the unsharded collection draws, in its order
+    with jax.default_device(devices[0]):
+        initial = {t.name: {"weights": np.asarray(t.init(rngs.params()))} for t in tables}
+    init_s = time.perf_counter() - start
+    b = cfg["batch"]
+    runs = []
+
+    def record(run, model, optimizer_, step, batches, n):
+        start = time.perf_counter()
+        jax.block_until_ready(step(model, optimizer_, batches[0]))
+        run["compile_s"] = time.perf_counter() - start
+        seconds = timed(lambda batch: step(model, optimizer_, batch), [(x,) for x in batches],
+                        cfg["iters"], jax.block_until_ready)
+        run.update(step_ms=seconds * 1e3, samples_per_s=n * b / seconds,
+                   samples_per_s_per_device=b / seconds,
+                   peak_memory_gb=_peak_memory(devices[:n]))
+        runs.append(run)
+        print(run, file=sys.stderr, flush=True)
+
+    # The unsharded baseline: jaxrec.nn on one device.
+    with jax.default_device(devices[0]):
+        batches = [jax.device_put(x, devices[0]) for x in log.batches(b, 4)]
+        ebc = EmbeddingBagCollection(tables, optimizer=optimizer, rngs=nnx.Rngs(0))
+        model = DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"], rngs=nnx.Rngs(1))
+        opt = PartitionedOptimizer(model, optax.adam(1e-3))
+        record({"plan": "unsharded", "devices": 1}, model, opt, make_train_step(bce), batches, 1)
+        del model, opt, ebc, batches
+        gc.collect()
+
+    for n in sizes:
+        mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
+        batches = [par.shard_batch(x, mesh) for x in log.batches(n * b, 4)]
+        for kind in ("table_wise", "row_wise"):
+            constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
+            topology = par.Topology(world_size=n, hbm_cap=_memory_cap(devices[0]), batch_size=b)
+            plan = par.EmbeddingShardingPlanner(topology, optimizer=optimizer,
+                                                constraints=constraints).plan(tables)
+            ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=optimizer,
+                                                    initial=initial)
+            model = par.shard(DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"],
+                                   rngs=nnx.Rngs(1)), plan, mesh)
+            opt = PartitionedOptimizer(model, optax.adam(1e-3))
+            run = {"plan": kind, "devices": n, "global_batch": n * b,
+                   "planner_estimate": {"step_ms": max(plan.stats.perf) * 1e3,
+                                        "memory_gb": plan.stats.memory / 1e9,
+                                        "imbalance": plan.stats.imbalance}}
+            record(run, model, opt, par.make_train_step(bce), batches, n)
+            del model, opt, ebc
+            gc.collect()
+        del batches
+        gc.collect()
+
+    base = {r["plan"]: r["step_ms"] for r in runs if r["devices"] == 1}
+    unsharded = base.pop("unsharded")
+    efficiency = {kind: {str(r["devices"]): {"efficiency": base[kind] / r["step_ms"],
+                                             "vs_unsharded": unsharded / r["step_ms"]}
+                         for r in runs if r["plan"] == kind}
+                  for kind in ("table_wise", "row_wise")}
+    return {"runs": runs, "efficiency": efficiency, "table_init_s": init_s,
+            "table_rows": list(log.table_sizes), "total_rows": int(sum(log.table_sizes))}
+
+
+def _memory_cap(device) -> int:
+    stats = device.memory_stats() or {}
+    return int(stats.get("bytes_limit", 64 << 30) * 0.8)
+
+
+def _peak_memory(devices) -> float | None:
+    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
+    return max(peaks) / 1e9 if all(p is not None for p in peaks) else None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", help="JSON result path")
+    p.add_argument("--tiny", action="store_true", help="small tables and batch (CPU smoke run)")
+    p.add_argument("--batch-size", type=int, help="samples per device (default 16384)")
+    p.add_argument("--max-rows", type=int, help="cap on every table's rows")
+    p.add_argument("--iters", type=int)
+    p.add_argument("--max-devices", type=int, help="use at most this many devices")
+    p.add_argument("--skip-equality", action="store_true")
+    p.add_argument("--skip-scaling", action="store_true")
+    args = p.parse_args(argv)
+    cfg = dict(TINY if args.tiny else FULL)
+    for key, value in (("batch", args.batch_size), ("max_rows", args.max_rows),
+                       ("iters", args.iters)):
+        if value is not None:
+            cfg[key] = value
+    devices = jax.devices()[:args.max_devices] if args.max_devices else jax.devices()
+    sizes = [n for n in (1, 2, 4, 8) if n <= len(devices)]
+    result = environment("sharded_dlrm_gpu", devices[0].device_kind, {}, {})
+    result.update(nvidia_driver=nvidia_driver(), platform=devices[0].platform,
+                  device_count=len(devices), config={**cfg, "sizes": sizes,
+                                                     "optimizer": "fused rowwise Adagrad 0.01",
+                                                     "dense_optimizer": "adam 1e-3"})
+    ok = True
+    if not args.skip_equality:
+        result["equality"] = equality(devices)
+        ok = all(r["ok"] for r in result["equality"])
+    if not args.skip_scaling:
+        result["weak_scaling"] = weak_scaling(devices, cfg, sizes)
+    if args.out:
+        write_json(args.out, result)
+    for r in result.get("weak_scaling", {}).get("runs", []):
+        eff = result["weak_scaling"]["efficiency"].get(r["plan"], {}).get(str(r["devices"]), {})
+        print(f"{r['plan']:11s} {r['devices']} device(s)  {r['step_ms']:9.2f} ms  "
+              f"{r['samples_per_s'] / 1e6:7.3f} M samples/s  efficiency "
+              f"{eff.get('efficiency', 1.0):.2f}  vs unsharded {eff.get('vs_unsharded', 1.0):.2f}")
+    print("equality:", "ok" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""Ids to the shard owners, pooled results back to the batch owners (inside ``shard_map``).
+
+Input distribution. Ids are ragged, so instead of an all-to-all of variable-sized id
+lists every device ``all_gather`` s the local KJTs (static capacity ``C``)::
+
+    # device s holds  values [C], lengths [F, B], weights [C]   (its B samples)
+    # all_gather  ->  values [N, C], lengths [N, F, B], weights [N, C]   on every device
+
+Each device then builds, per group, the KJT of its slots for the global batch of
+``N * B`` bags (bag ``s * B + b`` = sample b of device s): the ids of each slot's feature
+that fall in the slot's rows, moved to the slot's virtual rows, in their original
+order; the other ids are dropped (compacted away, not masked: a masked id would still
+count as a touched row for the fused optimizer). Capacity ``N * C`` per group.
+
+MEAN pooling is SUM pooling with per-sample weights ``w / L``, where ``L`` is the bag's
+length on its source device, i.e. the global length: a row-wise shard sees only part of
+a bag, and must still divide by the whole bag's length.
+
+Output distribution (after each group's lookup of ``[N * B, S * D]``)::
+
+    a2a groups     all_to_all over the batch  -> [N(source), B, width]  (from every device)
+    reduce groups  psum_scatter over the batch -> [B, width]            (partial sums added)
+    dp groups      the local [B, width]
+    output column c = sum over k of [received | reduced | dp | 0][:, contributors[k][c]]
+
+JAX differentiates all of it: the transpose of ``all_to_all`` is an ``all_to_all``, of
+``psum_scatter`` an ``all_gather``, of ``all_gather`` a ``psum_scatter``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
+from jaxrec.ops.tbe_reference import bag_of_position
+from jaxrec.optim import fused_lookup
+from jaxrec.parallel._layout import A2A, DP, REDUCE, Group, ShardedLayout
+
+
+class Ids(NamedTuple):
+    """KJTs of ``sources`` devices side by side: values ``[sources, C]``, lengths
+    ``[sources, F, B]``, weights ``[sources, C]`` or None."""
+
+    values: jax.Array
+    lengths: jax.Array
+    weights: jax.Array | None
+
+
+def local_ids(values, lengths, weights, num_features: int) -> Ids:
+    """This device's KJT as ``Ids`` of one source."""
+    return Ids(values[None], lengths.reshape(1, num_features, -1),
+               None if weights is None else weights[None])
+
+
+def gather_ids(ids: Ids, axis: str) -> Ids:
+    """Every device's KJT on every device (``all_gather`` over ``axis``)."""
+    def gather(x):
+        return None if x is None else jax.lax.all_gather(x[0], axis)
+    return Ids(gather(ids.values), gather(ids.lengths), gather(ids.weights))
+
+
+def _exclusive_cumsum(x, axis=-1):
+    zeros = jnp.zeros(x.shape[:axis % x.ndim] + (1,), x.dtype)
+    return jnp.concatenate([zeros, jnp.cumsum(x, axis=axis, dtype=x.dtype)], axis=axis)
+
+
+def group_input(ids: Ids, slots: dict[str, jax.Array], mean_feature: np.ndarray, *,
+                weighted: bool, need_weights: bool):
+    """``(values, offsets, per_sample_weights)`` of one group's slots (module doc).
+
+    ``slots``: this device's rows of ``Group.slot_arrays`` (``slot_of_feature [F]``,
+    ``slot_feature [S]``, ``offset``, ``lo``, ``hi [S]``). Bags are slot-major, then source,
+    then sample; ``per_sample_weights`` is None unless ``need_weights``.
+    """
+    values, lengths, weights = ids
+    sources, cap = values.shape
+    num_features, batch = lengths.shape[1:]
+    dtype = values.dtype
+    flat_lengths = lengths.reshape(sources, num_features * batch).astype(dtype)
+    offsets = _exclusive_cumsum(flat_lengths)                              # [sources, F*B+1]
+    bag = jax.vmap(bag_of_position, in_axes=(0, None))(offsets, cap)       # [sources, C]
+    valid = (bag >= 0) & (bag < num_features * batch)
+    bag = jnp.clip(bag, 0, num_features * batch - 1)
+    feature, sample = bag // batch, bag % batch
+
+    slot = jnp.where(valid, slots["slot_of_feature"].astype(dtype)[feature], -1)
+    safe = jnp.maximum(slot, 0)
+    lo, hi = slots["lo"].astype(dtype)[safe], slots["hi"].astype(dtype)[safe]
+    keep = (slot >= 0) & (values >= lo) & (values < hi)
+    virtual = values - lo + slots["offset"].astype(dtype)[safe]
+
+    # Kept ids per source bag, then the group's lengths [S, sources, B].
+    source = jnp.arange(sources, dtype=dtype)[:, None]
+    segment = (source * (num_features * batch) + bag).ravel()
+    kept = jax.ops.segment_sum(keep.astype(dtype).ravel(), segment,
+                               num_segments=sources * num_features * batch)
+    kept = kept.reshape(sources, num_features, batch)
+    slot_feature = slots["slot_feature"]
+    group_lengths = jnp.where((slot_feature >= 0)[:, None, None],
+                              kept[:, jnp.maximum(slot_feature, 0), :].transpose(1, 0, 2), 0)
+    group_offsets = _exclusive_cumsum(group_lengths.ravel())
+
+    # Destination of each kept id: its bag's start + its rank among the kept ids of the bag.
+    count = _exclusive_cumsum(keep.astype(dtype).ravel())
+    bag_start = jnp.take_along_axis(offsets, bag, axis=1) + source * cap
+    rank = count[:-1].reshape(sources, cap) - count[bag_start]
+    group_bag = (safe * sources + source) * batch + sample
+    dest = jnp.where(keep, group_offsets[group_bag] + rank, sources * cap).ravel()
+    out_values = jnp.zeros((sources * cap,), dtype).at[dest].set(virtual.ravel(), mode="drop")
+
+    psw = None
+    if need_weights:
+        w = weights.astype(jnp.float32) if weighted else jnp.ones(values.shape, jnp.float32)
+        if mean_feature.any():
+            length = jnp.take_along_axis(flat_lengths, bag, axis=1).astype(jnp.float32)
+            w = jnp.where(jnp.asarray(mean_feature)[feature], w / jnp.maximum(length, 1.0), w)
+        psw = jnp.zeros((sources * cap,), jnp.float32).at[dest].set(w.ravel(), mode="drop")
+    return out_values, group_offsets, psw
+
+
+def lookup(table, group: Group, values, offsets, psw, *, fused: bool, backend: str):
+    """One group's SUM-pooled lookup ``[bags, S * D]`` (MEAN is in ``psw``)."""
+    kwargs = {"pooling": PoolingMode.SUM, "per_sample_weights": psw,
+              "bounds_check_mode": BoundsCheckMode.NONE, "backend": backend}
+    if fused:
+        return fused_lookup(table, values, offsets, **kwargs)
+    return embedding_bag_lookup(table, values, offsets, layout=group.layout, **kwargs)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2))
+def own_rows(x, axis: str, batch: int):
+    """This device's ``batch`` rows of ``x`` (a result computed alike on every device for
+    the global batch). Backward: the cotangents of every device, gathered, so that each
+    copy of the computation receives the gradient of the whole batch."""
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis) * batch, batch)
+
+
+def _own_rows_fwd(x, axis, batch):
+    return own_rows(x, axis, batch), None
+
+
+def _own_rows_bwd(axis, batch, _, ct):
+    return (jax.lax.all_gather(ct, axis, tiled=True),)
+
+
+own_rows.defvjp(_own_rows_fwd, _own_rows_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def repeated(x, copies: int):
+    """``x``, fed to a computation that each of ``copies`` devices repeats alike (the
+    data-parallel lookup of the global batch): every copy's backward yields the whole
+    gradient, so the sum over the copies is divided by their number."""
+    return x
+
+
+def _repeated_fwd(x, copies):
+    return x, None
+
+
+def _repeated_bwd(copies, _, ct):
+    return (ct / copies,)
+
+
+repeated.defvjp(_repeated_fwd, _repeated_bwd)
+
+
+def assemble(layout: ShardedLayout, outputs: dict[str, list[jax.Array]], axis: str,
+             batch: int) -> jax.Array:
+    """The ``[B, total_dim]`` pooled output of this device's samples (module doc)."""
+    n = layout.world_size
+    parts = []
+    if outputs[A2A]:
+        sent = jnp.concatenate(outputs[A2A], axis=1)                       # [N*B, W]
+        width = sent.shape[1]
+        received = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)         # [N(source)*B, W]
+        parts.append(received.reshape(n, batch, width).transpose(1, 0, 2).reshape(batch, -1))
+    if outputs[REDUCE]:
+        partial = jnp.concatenate(outputs[REDUCE], axis=1)                 # [N*B, W]
+        parts.append(jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True))
+    if outputs[DP]:
+        parts.append(jnp.concatenate(outputs[DP], axis=1))
+    parts.append(jnp.zeros((batch, 1), jnp.float32))
+    x = jnp.concatenate(parts, axis=1)
+    out = x[:, np.asarray(layout.contributors[0])]
+    for columns in layout.contributors[1:]:
+        out = out + x[:, np.asarray(columns)]
+    return out

@@ -1,0 +1,336 @@
+"""``ShardedEmbeddingBagCollection``: the EmbeddingBagCollection of a plan over a mesh.
+
+::
+
+    mesh = jax.make_mesh((8,), ("data",))
+    plan = EmbeddingShardingPlanner(Topology(world_size=8, hbm_cap=16 << 30)).plan(tables)
+    ebc = ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=RowWiseAdagrad(...),
+                                        rngs=nnx.Rngs(0))          # or shard(model, plan, mesh)
+
+Inside ``shard_map`` over the mesh axis (``jaxrec.parallel.make_train_step`` /
+``make_forward`` put it there) each device calls it with *its* KJT of B samples and
+gets *its* ``KeyedTensor [B, sum(dims)]``, with the keys, order and values that the
+unsharded ``EmbeddingBagCollection`` gives for those samples (TorchRec's contract).
+In between: ids to the shard owners, one lookup per group, pooled results back
+(``_dist.py``); the backward runs the same path in reverse and, for fused tables,
+applies the optimizer to each shard in place.
+
+The tables live in one variable per group (``_layout.py``): a ``FusedTables`` (weights,
+optimizer state and step of the fused optimizer) or an ``nnx.Param``, whose arrays are
+global and sharded over the axis (each device's block is its virtual table), replicated
+for data-parallel groups. ``split_embedding_weights`` / ``portable_tables`` give the
+whole tables back; ``load_portable_tables`` takes them from any plan.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables
+from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
+from jaxrec.ops.bounds_check import as_bounds_check_mode
+from jaxrec.optim import SGD, Adagrad, Adam, FusedEmbeddingTables, OptimizerConfig
+from jaxrec.optim._state import buffer_fields
+from jaxrec.parallel import _dist
+from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout, table_specs
+from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
+from jaxrec.parallel._types import ShardingPlan, ShardingType
+from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
+
+_COLUMN_SEPARABLE = (SGD, Adagrad, Adam)
+"""Optimizers whose update of a row's column does not read the row's other columns."""
+
+
+class ShardedEmbeddingBagCollection(nnx.Module):
+    """An ``EmbeddingBagCollection`` whose tables are sharded by ``plan`` over ``mesh``.
+
+    Args:
+      tables: the ``EmbeddingBagConfig`` s (output order as the unsharded module's).
+      plan: a ``ShardingPlan`` for these tables and ``mesh.shape[axis_name]`` devices.
+      mesh: the ``jax.sharding.Mesh``; its ``axis_name`` axis carries the batch.
+      axis_name: default: the mesh's first axis.
+      optimizer: None (plain ``nnx.Param`` tables, trained by optax) or a fused optimizer.
+      rngs: initialises the tables exactly as the unsharded module does (same keys, same
+        order), so both start from identical tables.
+      initial: instead of ``rngs``, the tables' portable form
+        ``{table: {"weights": [rows, dim], <state field>: ..., "step": int32[]}}`` (what
+        ``shard`` passes, and what ``portable_tables`` returns).
+      bounds_check_mode, backend, name: as for ``EmbeddingBagCollection``.
+    """
+
+    def __init__(self, tables: Sequence[EmbeddingBagConfig], plan: ShardingPlan,
+                 mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
+                 optimizer: OptimizerConfig | None = None, rngs: nnx.Rngs | None = None,
+                 initial: Mapping[str, Mapping[str, jax.Array]] | None = None,
+                 bounds_check_mode: BoundsCheckMode | str = BoundsCheckMode.WARNING,
+                 backend: str = "auto", name: str = "ebc"):
+        tables = tuple(tables)
+        wrong = [getattr(t, "name", t) for t in tables if not isinstance(t, EmbeddingBagConfig)]
+        if wrong or not tables:
+            raise TypeError(f"tables must be a non-empty list of EmbeddingBagConfig; {wrong} are not")
+        if not isinstance(plan, ShardingPlan):
+            raise TypeError(f"plan must be a jaxrec.parallel.ShardingPlan, got {type(plan).__name__}")
+        if not isinstance(mesh, jax.sharding.Mesh):
+            raise TypeError(f"mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        mesh = auto_mesh(mesh)
+        axis_name = mesh.axis_names[0] if axis_name is None else axis_name
+        if axis_name not in mesh.axis_names or mesh.shape[axis_name] != plan.world_size:
+            raise ValueError(f"the plan is for {plan.world_size} devices but mesh axis "
+                             f"{axis_name!r} has {dict(mesh.shape).get(axis_name)}; make the plan "
+                             "for this mesh (world_size=mesh.shape[axis_name])")
+        if optimizer is not None and not isinstance(optimizer, OptimizerConfig):
+            raise TypeError(f"optimizer must be None or a fused optimizer config, got {optimizer!r}")
+        if (rngs is None) == (initial is None):
+            raise ValueError("pass exactly one of rngs= (new tables) or initial= (portable tables)")
+        self.layout = build_layout(table_specs(tables), plan)
+        column_wise = [t.name for t, k in zip(tables, self.layout.kinds)
+                       if k == ShardingType.COLUMN_WISE]
+        if column_wise and optimizer is not None and not isinstance(optimizer, _COLUMN_SEPARABLE):
+            raise ValueError(
+                f"tables {column_wise} are COLUMN_WISE but {type(optimizer).__name__} reads whole "
+                "rows (row-wise state or row norms): each column shard would keep its own row "
+                "statistics and training would differ from the unsharded module. Shard them "
+                "TABLE_WISE / ROW_WISE / TABLE_ROW_WISE, or use SGD, Adagrad or Adam")
+        self.table_configs = tables
+        self.plan = plan
+        self.mesh = mesh
+        self.axis_name = axis_name
+        self.optimizer = optimizer
+        self.bounds_check_mode = bounds_check_mode
+        self.backend = backend
+        self.name = name
+        self.feature_names = self.layout.features
+        if initial is None:
+            initial = {t.name: {"weights": t.init(rngs.params())} for t in tables}  # config order
+        self.tables = nnx.List(self._variables(initial))
+
+    # -- TorchRec's accessors ----------------------------------------------------------
+    @property
+    def fused(self) -> bool:
+        return self.optimizer is not None
+
+    def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
+        return list(self.table_configs)
+
+    def split_embedding_weights(self) -> dict[str, jax.Array]:
+        """``{table name: [num_embeddings, embedding_dim]}``: the whole tables."""
+        weights = [v.get_value().weights if self.fused else v.get_value() for v in self.tables]
+        return dict(zip((t.name for t in self.table_configs), self._unpack(weights, False)))
+
+    def portable_tables(self) -> dict[str, dict[str, jax.Array]]:
+        """Each table's weights, optimizer state buffers and fused step, whole (the form that
+        checkpoints save and that any plan on any mesh can load)."""
+        names = [t.name for t in self.table_configs]
+        out = {n: {"weights": w} for n, w in zip(names, self.split_embedding_weights().values())}
+        if not self.fused:
+            return out
+        values = [v.get_value() for v in self.tables]
+        for field in buffer_fields(self.optimizer.state_type):
+            per_row = field in self.optimizer.state_type.row_fields
+            for n, x in zip(names, self._unpack([getattr(v.state, field) for v in values], per_row)):
+                out[n][field] = x
+        for group, value in zip(self.layout.groups, values):
+            for p in group.pieces:
+                out[names[p.table]]["step"] = value.state.step
+        return out
+
+    def load_portable_tables(self, portable: Mapping[str, Mapping[str, jax.Array]]) -> None:
+        """Replaces the tables (and optimizer state) by ``portable`` (``portable_tables``)."""
+        for var, new in zip(self.tables, self._variables(portable)):
+            var.set_value(new.get_value())
+
+    def set_learning_rate(self, learning_rate) -> None:
+        """New learning rate of the fused optimizer (traced values are fine)."""
+        if not self.fused:
+            raise ValueError(f"collection {self.name!r} has plain tables: their learning rate is "
+                             "the optax optimizer's")
+        for var in self.tables:
+            var.set_value(var.get_value().set_learning_rate(learning_rate))
+
+    # -- the lookup (per device, inside shard_map) --------------------------------------
+    def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
+        if not isinstance(features, KeyedJaggedTensor):
+            raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        try:
+            me = jax.lax.axis_index(self.axis_name)
+        except NameError:
+            raise ValueError(
+                f"ShardedEmbeddingBagCollection {self.name!r} runs per device inside shard_map over "
+                f"mesh axis {self.axis_name!r}, on each device's own KJT; call it through "
+                "jaxrec.parallel.make_train_step or make_forward (batches from shard_batch)"
+            ) from None
+        layout = self.layout
+        values, lengths, weights, batch = self._prepare(features)
+        num_features = len(layout.features)
+        local = _dist.local_ids(values, lengths, weights, num_features)
+        gather = any(g.kind != DP for g in layout.groups) or self.fused
+        everyone = _dist.gather_ids(local, self.axis_name) if gather else None
+        mean = np.array([layout.tables[t].pooling == PoolingMode.MEAN for t in layout.feature_table])
+        outputs = {A2A: [], REDUCE: [], DP: []}
+        for i, group in enumerate(layout.groups):
+            arrays = group.slot_arrays(num_features)
+            here = np.zeros(num_features, bool)
+            here[arrays["slot_feature"][arrays["slot_feature"] >= 0]] = True
+            row = {k: jnp.asarray(v.astype(values.dtype))[0 if group.kind == DP else me]
+                   for k, v in arrays.items()}
+            ids = local if group.kind == DP and not self.fused else everyone
+            group_values, offsets, psw = _dist.group_input(
+                ids, row, mean & here, weighted=weights is not None,
+                need_weights=weights is not None or bool((mean & here).any()))
+            repeated = group.kind == DP and self.fused  # the global batch, on every device
+            if repeated and psw is not None:
+                psw = _dist.repeated(psw, layout.world_size)
+            out = _dist.lookup(self.tables[i].get_value(), group, group_values, offsets, psw,
+                               fused=self.fused, backend=self.backend)
+            if repeated:
+                out = _dist.own_rows(out, self.axis_name, batch)
+            outputs[group.kind].append(out)
+        pooled = _dist.assemble(layout, outputs, self.axis_name, batch)
+        dims = [layout.tables[t].dim for t in layout.feature_table]
+        return KeyedTensor(list(layout.features), dims, pooled)
+
+    def _prepare(self, features: KeyedJaggedTensor):
+        """This device's ids of the collection's features, in its order, bounds-checked."""
+        keys = list(features.keys())
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self.layout.features if f not in index]
+        if missing:
+            raise ValueError(f"the KeyedJaggedTensor lacks the features {missing} of "
+                             f"collection {self.name!r}; its keys are {keys}")
+        order = [index[f] for f in self.layout.features]
+        kjt = features if order == list(range(len(keys))) else features.permute(order)
+        values = kjt.values()
+        offsets = kjt.offsets().astype(values.dtype)
+        if as_bounds_check_mode(self.bounds_check_mode) != BoundsCheckMode.NONE:
+            rows = [self.layout.tables[t].rows for t in self.layout.feature_table]
+            values, offsets, _ = bounds_check_indices(
+                rows, values, offsets, self.bounds_check_mode,
+                feature_names=list(self.layout.features), backend=self.backend)
+        return values, offsets[1:] - offsets[:-1], kjt.weights_or_none(), kjt.stride()
+
+    # -- portable <-> group buffers -----------------------------------------------------
+    def _variables(self, portable) -> list[nnx.Variable]:
+        names = [t.name for t in self.table_configs]
+        missing = [n for n in names if n not in portable or "weights" not in portable[n]]
+        if missing:
+            raise ValueError(f"initial tables lack {missing}: give each table its 'weights'")
+        n = self.layout.world_size
+        out = []
+        for g, group in enumerate(self.layout.groups):
+            members = sorted({p.table for p in group.pieces})
+            spec = P() if group.kind == DP else P(self.axis_name)
+            sharding = NamedSharding(self.mesh, spec)
+            weights = {t: portable[names[t]]["weights"] for t in members}
+            flat = jax.device_put(pack_group(group, n, weights, False, group.dtype), sharding)
+            if not self.fused:
+                out.append(nnx.Param(flat))
+                continue
+            config = self.optimizer
+            state_dtype = jnp.dtype(getattr(config, "state_dtype", jnp.float32))
+            buffers = {}
+            for field in buffer_fields(config.state_type):
+                per_row = field in config.state_type.row_fields
+                arrays = {}
+                for t in members:
+                    spec_t = self.table_configs[t]
+                    given = portable[names[t]].get(field)
+                    shape = (spec_t.num_embeddings,) + (() if per_row else (spec_t.embedding_dim,))
+                    arrays[t] = np.zeros(shape, state_dtype) if given is None else given
+                buffers[field] = jax.device_put(
+                    pack_group(group, n, arrays, per_row, state_dtype), sharding)
+            steps = {int(portable[names[t]].get("step", 0)) for t in members}
+            if len(steps) > 1:
+                raise ValueError(f"tables {[names[t] for t in members]} share one fused optimizer "
+                                 f"step under this plan but the portable state gives them steps "
+                                 f"{sorted(steps)}")
+            replicated = NamedSharding(self.mesh, P())
+            step = jax.device_put(jnp.asarray(steps.pop(), jnp.int32), replicated)
+            hparams = jax.device_put(config.hyperparams(), replicated)
+            name = self.name if len(self.layout.groups) == 1 else f"{self.name}.{g}"
+            out.append(FusedTables(FusedEmbeddingTables(
+                flat, config.state_type(step=step, **buffers), hparams, group.layout, config,
+                name)))
+        return out
+
+    def _unpack(self, buffers, per_row: bool) -> list[jax.Array]:
+        shapes = [(t.num_embeddings,) + (() if per_row else (t.embedding_dim,))
+                  for t in self.table_configs]
+        tables = unpack(self.layout, buffers, per_row)
+        return [jax.device_put(x, portable_sharding(self.mesh, self.axis_name, s))
+                for x, s in zip(tables, shapes)]
+
+
+def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
+    """``mesh`` with every axis of type Auto: jaxrec.parallel places arrays on it and lets
+    XLA move data in its jitted gathers (Explicit axes would type every slice)."""
+    auto = jax.sharding.AxisType.Auto
+    if all(t == auto for t in mesh.axis_types):
+        return mesh
+    return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(auto,) * len(mesh.axis_names))
+
+
+def portable_from_collection(ebc: EmbeddingBagCollection) -> dict[str, dict[str, jax.Array]]:
+    """The portable tables of an unsharded ``EmbeddingBagCollection``."""
+    out = {name: {"weights": w} for name, w in ebc.split_embedding_weights().items()}
+    if ebc.fused:
+        for group, var in zip(ebc.groups, ebc.tables):
+            tables = var.get_value()
+            for t, states in zip(group.tables, tables.split_optimizer_states()):
+                out[t.name].update(states)
+                out[t.name]["step"] = tables.step
+    return out
+
+
+def shard(model: nnx.Module, plan: ShardingPlan, mesh: jax.sharding.Mesh, *,
+          axis_name: str | None = None) -> nnx.Module:
+    """TorchRec's ``DistributedModelParallel`` in one call: every ``EmbeddingBagCollection``
+    of ``model`` becomes a ``ShardedEmbeddingBagCollection`` (same tables, same optimizer
+    state), every other variable is replicated over ``mesh`` (the dense part is data
+    parallel). Returns the model (changed in place; an EmbeddingBagCollection itself
+    comes back sharded)."""
+    def sharded(ebc):
+        return ShardedEmbeddingBagCollection(
+            ebc.table_configs, plan, mesh, axis_name=axis_name, optimizer=ebc.optimizer,
+            initial=portable_from_collection(ebc), bounds_check_mode=ebc.bounds_check_mode,
+            backend=ebc.backend, name=ebc.name)
+
+    if isinstance(model, EmbeddingBagCollection):
+        return sharded(model)
+    found = [(path, m) for path, m in nnx.iter_modules(model)
+             if isinstance(m, EmbeddingBagCollection) and path]
+    if not found and not any(isinstance(m, ShardedEmbeddingBagCollection)
+                             for _, m in nnx.iter_modules(model)):
+        raise ValueError("the model has no EmbeddingBagCollection to shard")
+    for path, ebc in found:
+        parent = model
+        for key in path[:-1]:
+            parent = parent[key] if isinstance(key, int) else getattr(parent, key)
+        if isinstance(path[-1], int):
+            parent[path[-1]] = sharded(ebc)
+        else:
+            setattr(parent, path[-1], sharded(ebc))
+    replicate(model, mesh)
+    return model
+
+
+def replicate(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
+    """Places every array of ``model`` that is not on ``mesh`` yet replicated over it."""
+    mesh = auto_mesh(mesh)
+    state = nnx.state(model)
+    nnx.update(model, jax.tree.map(functools.partial(on_mesh, mesh=mesh), state))
+
+
+def on_mesh(x, mesh):
+    """``x`` itself when it lives on ``mesh``, else a replicated copy over ``mesh``."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+        return x
+    return jax.device_put(x, NamedSharding(mesh, P()))

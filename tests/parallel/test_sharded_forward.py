@@ -1,0 +1,126 @@
+"""ShardedEmbeddingBagCollection equals the unsharded EmbeddingBagCollection, per device.
+
+For every sharding type (and all of them at once), SUM and MEAN tables, a shared table,
+weighted ids, empty bags and a device without any id: the pooled output of each device's
+samples equals the unsharded module's output for those samples. Plus the tables and
+their views, the per-sample weights' gradient, and the errors.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from parallel_testing import (
+    KEYS,
+    TABLES,
+    B,
+    N,
+    build,
+    mesh,
+    plan,
+    random_batch,
+    random_kjt,
+)
+
+import jaxrec.parallel as par
+from jaxrec.nn import EmbeddingBagCollection, PartitionedOptimizer
+from jaxrec.optim import SGD, RowWiseAdagrad
+from jaxrec.sparse import KeyedJaggedTensor
+
+# Sums of at most a few float32 products: the error is a few ulps of the output.
+RTOL, ATOL = 1e-6, 1e-7
+
+pooled = par.make_forward(lambda model, kjt: model(kjt))  # KeyedTensors, stacked
+
+
+def unsharded():
+    return EmbeddingBagCollection(TABLES, rngs=nnx.Rngs(0))
+
+
+# (sharding type, weighted ids): every type once, weighted and not among them.
+@pytest.mark.parametrize("kind, weighted", [
+    ("table_wise", True), ("row_wise", False), ("column_wise", True), ("table_row_wise", False),
+    ("data_parallel", True), ("mixed", True)])
+def test_every_sharding_type_equals_the_unsharded_module(kind, weighted):
+    ebc = unsharded()
+    sharded = par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0))
+    for name, table in ebc.split_embedding_weights().items():  # same initial tables
+        np.testing.assert_array_equal(sharded.split_embedding_weights()[name], table)
+    kjt = random_kjt(np.random.default_rng(1), weighted=weighted, empty_device=2)
+    out = pooled(sharded, par.shard_batch(kjt, mesh()))
+    expected = ebc(kjt)
+    assert out.keys() == expected.keys() == ["user", "item", "last_item", "geo", "x", "tiny"]
+    assert out.length_per_key() == expected.length_per_key()
+    assert out.values().shape == (N, B, expected.values().shape[1])
+    np.testing.assert_allclose(np.asarray(out.values()).reshape(N * B, -1), expected.values(),
+                               rtol=RTOL, atol=ATOL)
+    if kind == "mixed":  # no id on any device, given per device (same shapes: no recompile)
+        empty = [KeyedJaggedTensor.from_lengths_sync(KEYS, np.zeros(0, np.int32),
+                                                     [0] * len(KEYS) * B, weights=[])] * N
+        capacity = par.shard_batch(kjt, mesh()).values().shape[1]
+        out = pooled(sharded, par.shard_batch(empty, mesh(), capacity=capacity, per_device=True))
+        np.testing.assert_array_equal(out.values(), 0.0)
+
+
+def test_per_sample_weight_gradient_equals_the_unsharded_one():
+    ebc = unsharded()
+    sharded = par.shard(unsharded(), plan("mixed"), mesh())
+    kjt = random_kjt(np.random.default_rng(3), weighted=True)
+    cotangent = np.random.default_rng(4).normal(size=(N * B, 44)).astype(np.float32)
+
+    def loss(model, kjt, weights, ct):
+        again = KeyedJaggedTensor(kjt.keys(), kjt.values(), weights=weights, lengths=kjt.lengths())
+        return jnp.sum(model(again).values() * ct)
+
+    def per_device(model, kjt, ct):
+        return jax.grad(loss, argnums=2)(model, kjt, kjt.weights(), ct)
+
+    grads = par.make_forward(per_device)(sharded, par.shard_batch(kjt, mesh()),
+                                         jax.device_put(cotangent.reshape(N, B, -1)))
+    expected = jax.grad(loss, argnums=2)(ebc, kjt, kjt.weights(), jnp.asarray(cotangent))
+    local = par.shard_batch(KeyedJaggedTensor(kjt.keys(), kjt.values(), weights=expected,
+                                              lengths=kjt.lengths()), mesh())
+    np.testing.assert_allclose(grads, local.weights(), rtol=1e-5, atol=1e-6)
+
+
+def test_split_embedding_weights_and_portable_tables_give_the_whole_tables():
+    fused = EmbeddingBagCollection(TABLES, optimizer=RowWiseAdagrad(learning_rate=0.1),
+                                   rngs=nnx.Rngs(0))
+    sharded = par.shard(fused, plan("rows"), mesh())
+    portable = sharded.portable_tables()
+    for t in TABLES:
+        np.testing.assert_array_equal(portable[t.name]["weights"],
+                                      fused.split_embedding_weights()[t.name])
+        assert portable[t.name]["momentum1"].shape == (t.num_embeddings,)
+        assert int(portable[t.name]["step"]) == 0
+    assert sharded.embedding_bag_configs() == TABLES
+    assert sharded.feature_names == ("user", "item", "last_item", "geo", "x", "tiny")
+
+
+def test_errors_say_how_to_fix_them():
+    sharded = par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(), rngs=nnx.Rngs(0))
+    kjt = random_kjt(np.random.default_rng(5), weighted=False)
+    with pytest.raises(ValueError, match="inside shard_map.*make_forward"):
+        sharded(kjt)
+    with pytest.raises(ValueError, match="plan is for 8 devices but mesh axis 'data' has 4"):
+        par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(4), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"\['t_geo'\] are COLUMN_WISE but RowWiseAdagrad"):
+        par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(), rngs=nnx.Rngs(0),
+                                          optimizer=RowWiseAdagrad(learning_rate=0.1))
+    with pytest.raises(ValueError, match=r"missing \['t_tiny'\]"):
+        par.ShardedEmbeddingBagCollection(TABLES, par.construct_plan(
+            TABLES[:4], {t.name: par.row_wise() for t in TABLES[:4]}, N), mesh(), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="lacks the features"):
+        pooled(sharded, par.shard_batch(KeyedJaggedTensor.from_lengths_sync(
+            ["user"], [1], [1] + [0] * (N * B - 1)), mesh()))
+    with pytest.raises(ValueError, match="not a multiple of the 8 devices"):
+        par.shard_batch(KeyedJaggedTensor.from_lengths_sync(KEYS, [], [0] * len(KEYS) * 5), mesh())
+    model = par.shard(build(SGD(learning_rate=0.1)), plan("rows"), mesh())
+    model.extra = EmbeddingBagCollection(TABLES, optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"unsharded collections with fused tables \['extra'\]"):
+        par.make_train_step(lambda m, b: 0.0)(model, PartitionedOptimizer(model, optax.sgd(0.1)),
+                                              par.shard_batch(random_batch(0, weighted=False), mesh()))
