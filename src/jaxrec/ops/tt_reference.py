@@ -20,13 +20,12 @@ def tt_rows(cores, ids: jax.Array, *, layout: TTLayout) -> jax.Array:
     """``float32[n, embedding_dim]``: the row of each id (ids must be in range)."""
     digits = layout.digits(ids)
     n = ids.shape[0]
-    r, q = layout.ranks, layout.q_shapes
+    r = layout.ranks
     x = cores[0][0][digits[0]]  # [n, q0, r1]
     for t in range(1, layout.num_cores):
         g = jnp.moveaxis(cores[t], 1, 0)[digits[t]]  # [n, r_t, q_t, r_t+1]
         x = jnp.einsum("nma,najb->nmjb", x, g, precision="highest")
         x = x.reshape(n, -1, r[t + 1])
-    del q
     return x.reshape(n, layout.embedding_dim)
 
 

@@ -222,7 +222,9 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
         return bag, valid, jnp.where(hit, 0.0, weights), hit, location
 
     def forward_only(tables, psw, indices, offsets):
-        bag, valid, tt_weights, hit, location = split(tables, psw, indices, offsets)
+        return pooled(tables, psw, indices, offsets, *split(tables, psw, indices, offsets))
+
+    def pooled(tables, psw, indices, offsets, bag, valid, tt_weights, hit, location):
         out = tt_forward(tt_spec, tables.cores, tt_weights, indices, offsets)
         if cached:
             scale = position_scale(offsets, psw if spec.weighted else None, bag, spec.pooling)
@@ -235,12 +237,12 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
     lookup = jax.custom_vjp(forward_only)
 
     def forward(tables, psw, indices, offsets):
-        return forward_only(tables, psw, indices, offsets), (tables, psw, indices, offsets)
+        parts = split(tables, psw, indices, offsets)  # the backward reuses them
+        return pooled(tables, psw, indices, offsets, *parts), (tables, psw, indices, offsets, parts)
 
     def backward(residuals, grad_output):
-        tables, psw, indices, offsets = residuals
+        tables, psw, indices, offsets, (bag, valid, tt_weights, hit, location) = residuals
         _record_update(name)
-        bag, valid, tt_weights, hit, location = split(tables, psw, indices, offsets)
         grad_cores, grad_psw = tt_gradients(tt_spec, grad_output, tables.cores, tt_weights,
                                             indices, offsets)
         step_state = functools.partial(config.state_type, step=tables.step)
