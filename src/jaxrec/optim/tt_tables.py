@@ -41,10 +41,21 @@ from jaxrec.ops import tt_cache as tc
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode
 from jaxrec.ops.tbe_layout import PoolingMode
 from jaxrec.ops.tbe_reference import bag_of_position, position_scale
-from jaxrec.ops.tt_embedding import TTSpec, check_bounds, tt_forward, tt_gradients, validate
+from jaxrec.ops.tt_embedding import (
+    TTSpec,
+    check_bounds,
+    tt_forward,
+    tt_gradients,
+    validate,
+)
 from jaxrec.ops.tt_init import init_tt_cores
 from jaxrec.ops.tt_layout import TTLayout
-from jaxrec.ops.tt_reference import batch_to_bags, bags_to_batch, tt_full_weight, tt_rows
+from jaxrec.ops.tt_reference import (
+    bags_to_batch,
+    batch_to_bags,
+    tt_full_weight,
+    tt_rows,
+)
 from jaxrec.optim import _configs as C
 from jaxrec.optim._rowwise import update_rows
 from jaxrec.optim._state import buffer_fields
