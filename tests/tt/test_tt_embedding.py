@@ -477,7 +477,9 @@ def test_bad_weight_dist():
 
 
 BENCH = TTLayout.create(11_000_000, 64, [32, 32])  # p (200, 220, 250), q (4, 4, 4)
-GPU_LAYOUTS = {"bench": BENCH, "t2": LAYOUTS[2], "t4": LAYOUTS[4]}
+# bench and t3 take the grouped backward of three cores (odd q and ranks in t3), t2 and t4
+# the per-position one.
+GPU_LAYOUTS = {"bench": BENCH, "t2": LAYOUTS[2], "t4": LAYOUTS[4], "t3": LAYOUTS[3]}
 KERNEL_RTOL = 1e-4  # of the output / gradient scale: float32 atomics reorder the sums
 
 
@@ -511,7 +513,7 @@ def _assert_close_to_scale(got, want, rtol=KERNEL_RTOL):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("name", ["bench", "t2", "t4"])
+@pytest.mark.parametrize("name", list(GPU_LAYOUTS))
 @pytest.mark.parametrize("pooling, weighted", [(SUM, False), (SUM, True), (MEAN, False), (MEAN, True)])
 def test_kernel_matches_reference(cuda, name, pooling, weighted):
     """B = 64 bags of up to 20 ids (empty bags, duplicates, padding), forward and gradients."""

@@ -441,9 +441,9 @@ KERNEL_RTOL = 1e-4  # of each array's scale: float32 atomics reorder the sums
 # The kernel computes only the core gradients; the update is the shared update_rows,
 # tested against optax above. So the problem is kept well-conditioned, so that the
 # comparison measures the kernel and not how fast three steps amplify rounding:
-# * cores scaled so that rows are about 0.1 (unscaled, rank-32 rows reach 30, a step
-#   changes the cores by more than their size, and tanh saturates), and lr = 0.005
-#   (each step moves the cores by about 10%);
+# * cores scaled by 0.15 (bags then stay below 0.1; unscaled, bags of 20 reach 30, a
+#   step changes the cores by more than their size and tanh saturates), and lr = 0.005
+#   (each step moves the cores by about 10% of their largest entry);
 # * Adagrad's eps 0.1, not 1e-3: with a tiny eps the first step is about lr * sign(g),
 #   and float32 reordering noise on gradient entries near zero would become update
 #   differences of up to lr. With eps = 0.1 an update moves at most lr / eps times its
