@@ -5,7 +5,12 @@
 // sort (a CUB radix sort) and hands over each sorted position's bag. One warp per run
 // of equal keys then
 //   1. sums the run's gradient rows in sorted order into registers (4 columns per lane,
-//      kChunks chunks of 128 columns: the whole row stays in the warp),
+//      kChunks chunks of 128 columns: the whole row stays in the warp). A long run (a
+//      Zipf head id: its length grows with the batch, and under sharding with the
+//      global batch) is cut at the multiples of kWindow of the sorted order: a first
+//      kernel sums each window's head (the part of a run that began in an earlier
+//      window) into a scratch row, and the run's own warp sums its first window and
+//      then adds those partial rows, in window order;
 //   2. loads the row's weights and optimizer state, applies UpdateRow
 //      (common/fused_optimizer.h; row sums are warp shuffles), and
 //   3. stores the row and its state once.
@@ -15,7 +20,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <limits>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -30,6 +37,7 @@ namespace jaxrec {
 namespace {
 
 constexpr int kMaxChunks = 8;  // dims up to 8 * 128 = 1024 columns
+constexpr int64_t kWindow = 256;  // sorted entries one warp sums before partial rows take over
 
 // A state buffer of runtime dtype (float32, bfloat16 or float16); the branch is uniform.
 struct StateBuffer {
@@ -78,6 +86,8 @@ struct FusedArgs {
   WeightDecayMode weight_decay_mode;
   bool stochastic_rounding;
   uint32_t seed;
+  float* partials;        // [ceil(N / kWindow), max_dim]: each window's head sum (step 1)
+  int64_t partial_width;  // max_dim
 };
 
 // The row as one warp holds it: element i of lane `lane` is column 128 * (i / 4) + 4 * lane + i % 4.
@@ -116,33 +126,22 @@ __device__ __forceinline__ float4 RoundStochastic4(float4 v, const FusedArgs& a,
   }
 }
 
-template <OptimizerKind kKind, int kChunks, typename W, typename I>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
-    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ indices,
-                const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
-                const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
-  const BackwardArgs& ga = a.grad;
-  const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  WarpRow<kChunks> row;
-  row.lane = threadIdx.x % kWarpSize;
-  if (i >= ga.num_indices) return;
-  const I key = sorted_keys[i];
-  if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
-
-  const int64_t f0 = sorted_bags[i] / ga.batch_size;
-  row.dim = ga.dims[f0];
-  const int64_t row_start = ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
-
-  // 1. The row's summed gradient, in sorted order. The lanes read the run's entries 32 at
-  // a time (key, position, bag -> scale and gradient row) and the warp then walks them in
-  // order; the gradient loads of successive entries do not depend on each other, so many are
-  // in flight at once. A hot row (a Zipf head id: tens of thousands of entries) would
-  // otherwise pay one memory latency per entry.
+// Adds to row.g the gradient rows of the sorted entries from `begin` on, up to `end` or
+// the first entry of another key, in sorted order. The lanes read the entries 32 at a
+// time (key, position, bag -> scale and gradient row) and the warp then walks them in
+// order; the gradient loads of successive entries do not depend on each other, so many
+// are in flight at once.
+template <int kChunks, typename I>
+__device__ __forceinline__ void SumEntries(WarpRow<kChunks>& row, const float* __restrict__ grad,
+                                           const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                                           const I* __restrict__ sorted_positions,
+                                           const I* __restrict__ sorted_bags, const BackwardArgs& ga,
+                                           int64_t begin, int64_t end, I key) {
 #pragma unroll
   for (int e = 0; e < row.Size(); ++e) row.g[e] = 0.f;
-  for (int64_t base = i;; base += kWarpSize) {
+  for (int64_t base = begin;; base += kWarpSize) {
     const int64_t j = base + row.lane;
-    const bool mine = j < ga.num_indices && sorted_keys[j] == key;  // a prefix of the lanes
+    const bool mine = j < end && sorted_keys[j] == key;  // a prefix of the lanes
     unsigned long long g_address = 0;
     float scale = 0.f;
     if (mine) {
@@ -167,6 +166,66 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
       }
     }
     if (n < kWarpSize) break;
+  }
+}
+
+// Step 1's partial rows: warp w sums the head of window w, the entries from w * kWindow
+// on whose key is that of the entry before (a run that began in an earlier window).
+template <int kChunks, typename I>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+    WindowHeads(const float* __restrict__ grad, const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
+  const BackwardArgs& ga = a.grad;
+  const int64_t w = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  const int64_t begin = w * kWindow;
+  if (begin == 0 || begin >= ga.num_indices) return;
+  const I key = sorted_keys[begin];
+  if (key == std::numeric_limits<I>::max() || sorted_keys[begin - 1] != key) return;
+  WarpRow<kChunks> row;
+  row.lane = threadIdx.x % kWarpSize;
+  row.dim = ga.dims[sorted_bags[begin] / ga.batch_size];
+  SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, begin,
+             std::min(begin + kWindow, ga.num_indices), key);
+  float* partial = a.partials + w * a.partial_width;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t c = 128 * k + 4 * row.lane;
+    if (c < row.dim) StoreAny4(partial + c, Get4(row.g + 4 * k), ColumnsLeft(row.dim, c));
+  }
+}
+
+template <OptimizerKind kKind, int kChunks, typename W, typename I>
+__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ indices,
+                const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
+  const BackwardArgs& ga = a.grad;
+  const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  WarpRow<kChunks> row;
+  row.lane = threadIdx.x % kWarpSize;
+  if (i >= ga.num_indices) return;
+  const I key = sorted_keys[i];
+  if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
+
+  const int64_t f0 = sorted_bags[i] / ga.batch_size;
+  row.dim = ga.dims[f0];
+  const int64_t row_start = ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
+
+  // 1. The row's summed gradient, in sorted order: the run's entries in its first window,
+  // then the head sums of the windows it continues into.
+  const int64_t window_end = std::min((i / kWindow + 1) * kWindow, ga.num_indices);
+  SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, i, window_end, key);
+  for (int64_t w = i / kWindow + 1; w * kWindow < ga.num_indices && sorted_keys[w * kWindow] == key; ++w) {
+    const float* partial = a.partials + w * a.partial_width;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int64_t c = 128 * k + 4 * row.lane;
+      if (c < row.dim) {
+        float4 acc = Get4(row.g + 4 * k);
+        Fma4(acc, 1.f, LoadAny4(partial + c, ColumnsLeft(row.dim, c)));
+        Put4(row.g + 4 * k, acc);
+      }
+    }
   }
 
   // 2. Weights and state in, the optimizer, 3. out.
@@ -235,6 +294,7 @@ ffi::Error CopyIfNotAliased(cudaStream_t stream, const ffi::AnyBuffer& in, void*
 struct Launch {
   cudaStream_t stream;
   unsigned blocks;
+  unsigned window_blocks;  // of WindowHeads
   const float* grad;
   void* weights;
   const void* indices;
@@ -246,18 +306,23 @@ struct Launch {
 
 template <OptimizerKind kKind, typename W, typename I>
 void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
-  const auto launch = [&](auto kernel) {
+  const auto launch = [&](auto heads, auto kernel) {
+    if (a.partials != nullptr) {
+      heads<<<l.window_blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
+          l.grad, static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
+          static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
+    }
     kernel<<<l.blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
         l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.indices),
         static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
         static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
   };
   if (chunks <= 1) {
-    launch(FusedUpdate<kKind, 1, W, I>);
+    launch(WindowHeads<1, I>, FusedUpdate<kKind, 1, W, I>);
   } else if (chunks <= 4) {
-    launch(FusedUpdate<kKind, 4, W, I>);
+    launch(WindowHeads<4, I>, FusedUpdate<kKind, 4, W, I>);
   } else {
-    launch(FusedUpdate<kKind, kMaxChunks, W, I>);
+    launch(WindowHeads<kMaxChunks, I>, FusedUpdate<kKind, kMaxChunks, W, I>);
   }
 }
 
@@ -277,7 +342,7 @@ ffi::Error DispatchKind(int32_t kind, const Launch& l, int chunks, const FusedAr
   return Check(cudaGetLastError(), "fused update");
 }
 
-ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> grad, ffi::AnyBuffer weights,
+ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> grad, ffi::AnyBuffer weights,
                               ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                               ffi::Buffer<ffi::F32> per_sample_weights, ffi::Buffer<ffi::S32> layout,
                               ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
@@ -347,7 +412,16 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> grad, f
   const unsigned blocks = static_cast<unsigned>((ga.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const int chunks = static_cast<int>((max_dim + 127) / 128);
   if (chunks > kMaxChunks) return Invalid("dims above 1024 are not supported by the fused kernel");
-  const Launch l{stream, blocks, grad.typed_data(), weights_out->untyped_data(), indices.untyped_data(),
+  const int64_t windows = (ga.num_indices + kWindow - 1) / kWindow;
+  a.partials = nullptr;
+  a.partial_width = max_dim;
+  if (windows > 1) {  // XLA's scratch memory lives until the handler returns, stream-ordered
+    std::optional<void*> buffer = scratch.Allocate(sizeof(float) * windows * max_dim, 16);
+    if (!buffer.has_value()) return ffi::Error::Internal("jaxrec_tbe_fused_update: no scratch memory");
+    a.partials = static_cast<float*>(*buffer);
+  }
+  const unsigned window_blocks = static_cast<unsigned>((windows + kWarpsPerBlock - 1) / kWarpsPerBlock);
+  const Launch l{stream, blocks, window_blocks, grad.typed_data(), weights_out->untyped_data(), indices.untyped_data(),
                  offsets.untyped_data(), sorted_keys.untyped_data(), sorted_positions.untyped_data(),
                  sorted_bags.untyped_data()};
 
@@ -378,6 +452,7 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::Buffer<ffi::F32> grad, f
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCuda, jaxrec::TbeFusedUpdateCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+                                  .Ctx<xla::ffi::ScratchAllocator>()
                                   .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_output
                                   .Arg<xla::ffi::AnyBuffer>()              // weights
                                   .Arg<xla::ffi::AnyBuffer>()              // indices

@@ -202,6 +202,43 @@ def test_stochastic_rounding(platform, weight_dtype):
     assert np.all(np.asarray(nearest, np.float32) == 1.0)
 
 
+@pytest.mark.parametrize("name, pooling, weighted", [("rowwise_adagrad", PoolingMode.SUM, False),
+                                                     ("adam", PoolingMode.MEAN, True)])
+def test_hot_rows_longer_than_a_window(platform, name, pooling, weighted):
+    """Zipf-like ids: the head row of each table is read about 1,700 times in a batch, so
+    its run of the sorted ids spans several of the CUDA kernel's 256-entry windows (the
+    run's warp sums its first window and adds the others' head sums). Two steps, padding
+    after the last offset. Sums of ~1,700 float32 terms in another order: rtol 1e-4."""
+    config = CONFIGS[name]
+    rng = np.random.default_rng(17)
+    batch_size = 300
+    w0, s0 = random_inputs(rng, config, LAYOUT, pooling, weighted, jnp.float32)
+    kernel = _step(config, LAYOUT, pooling, weighted, "kernel")
+    reference = _step(config, LAYOUT, pooling, weighted, "reference")
+    for _ in range(2):
+        lengths = rng.integers(0, 9, size=LAYOUT.num_features * batch_size)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        ids = []
+        for k, n in enumerate(lengths):
+            rows = LAYOUT.feature_rows[k // batch_size]
+            head = rng.random(n)
+            ids.append(np.where(head < 0.7, 0, np.where(head < 0.85, 1, rng.integers(0, rows, n))))
+        indices = np.concatenate(ids + [rng.integers(0, 3, 37)]).astype(np.int32)
+        assert np.sum(indices[:offsets[-1]] == 0) > 3 * 256
+        grad_output = rng.normal(size=(batch_size, LAYOUT.total_dim)).astype(np.float32)
+        psw = rng.normal(size=indices.shape).astype(np.float32)
+        wk, sk, gk = kernel(w0, s0, grad_output, indices, offsets, psw)
+        wr, sr, gr = reference(w0, s0, grad_output, indices, offsets, psw)
+        np.testing.assert_allclose(wk, wr, rtol=1e-4, atol=1e-5)
+        for field in config.state_type._fields[1:]:
+            np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=1e-4, atol=1e-6,
+                                       err_msg=field)
+        if weighted:
+            np.testing.assert_allclose(gk, gr, rtol=1e-4, atol=1e-5)
+        assert np.max(np.abs(np.asarray(wr) - np.asarray(w0))) > 1e-3
+        w0, s0 = wr, sr
+
+
 def test_int64_ids(platform, x64):
     config = CONFIGS["rowwise_adagrad"]
     rng = np.random.default_rng(9)
