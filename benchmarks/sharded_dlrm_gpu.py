@@ -12,7 +12,8 @@
 2. **Weak scaling** of a DLRM train step (jaxrec.models.DLRM, 26 Criteo Kaggle tables,
    D=128, MLPs 512-256-128 / 1024-1024-512-256-1, fused rowwise Adagrad, dense Adam, one
    Zipf id per bag): the batch per GPU is fixed, the tables are TABLE_WISE (placed by the
-   planner) or ROW_WISE, on sub-meshes of 1, 2, 4 and 8 of the visible devices. Reported:
+   planner) or ROW_WISE, on sub-meshes of 1, 2, 4 and 8 of the visible devices, each with
+   float32 and with bfloat16 comms of the pooled embeddings (``--comm-dtypes``). Reported:
    step time, samples/s, and efficiency = t(1) / t(n) (t(1): the same sharded step on one
    device; ``vs_unsharded``: jaxrec.nn's unsharded step on one device instead).
 
@@ -220,17 +221,17 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
     for n in sizes:
         mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
         batches = [par.shard_batch(x, mesh) for x in log.batches(n * b, 4)]
-        for kind in ("table_wise", "row_wise"):
+        for label, kind, comm_dtype in variants(cfg["comm_dtypes"]):
             constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
             topology = par.Topology(world_size=n, hbm_cap=_memory_cap(devices[0]), batch_size=b)
             plan = par.EmbeddingShardingPlanner(topology, optimizer=optimizer,
                                                 constraints=constraints).plan(tables)
             ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=optimizer,
-                                                    initial=initial)
+                                                    initial=initial, comm_dtype=comm_dtype)
             model = par.shard(DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"],
                                    rngs=nnx.Rngs(1)), plan, mesh)
             opt = PartitionedOptimizer(model, optax.adam(1e-3))
-            run = {"plan": kind, "devices": n, "global_batch": n * b,
+            run = {"plan": label, "devices": n, "global_batch": n * b, "comm_dtype": comm_dtype,
                    "planner_estimate": {"step_ms": max(plan.stats.perf) * 1e3,
                                         "memory_gb": plan.stats.memory / 1e9,
                                         "imbalance": plan.stats.imbalance}}
@@ -242,12 +243,18 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
 
     base = {r["plan"]: r["step_ms"] for r in runs if r["devices"] == 1}
     unsharded = base.pop("unsharded")
-    efficiency = {kind: {str(r["devices"]): {"efficiency": base[kind] / r["step_ms"],
-                                             "vs_unsharded": unsharded / r["step_ms"]}
-                         for r in runs if r["plan"] == kind}
-                  for kind in ("table_wise", "row_wise")}
+    efficiency = {label: {str(r["devices"]): {"efficiency": base[label] / r["step_ms"],
+                                              "vs_unsharded": unsharded / r["step_ms"]}
+                          for r in runs if r["plan"] == label}
+                  for label, _, _ in variants(cfg["comm_dtypes"])}
     return {"runs": runs, "efficiency": efficiency, "table_init_s": init_s,
             "table_rows": list(log.table_sizes), "total_rows": int(sum(log.table_sizes))}
+
+
+def variants(comm_dtypes: list[str]) -> list[tuple[str, str, str]]:
+    """(label, sharding type, comm dtype): float32 comms are the plain label."""
+    return [(kind if dtype == "float32" else f"{kind}+{dtype}_comms", kind, dtype)
+            for dtype in comm_dtypes for kind in ("table_wise", "row_wise")]
 
 
 def _memory_cap(device) -> int:
@@ -268,10 +275,12 @@ def main(argv=None) -> int:
     p.add_argument("--max-rows", type=int, help="cap on every table's rows")
     p.add_argument("--iters", type=int)
     p.add_argument("--max-devices", type=int, help="use at most this many devices")
+    p.add_argument("--comm-dtypes", default="float32,bfloat16",
+                   help="pooled-embedding comms dtypes to scale with (comm_dtype)")
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-scaling", action="store_true")
     args = p.parse_args(argv)
-    cfg = dict(TINY if args.tiny else FULL)
+    cfg = dict(TINY if args.tiny else FULL, comm_dtypes=args.comm_dtypes.split(","))
     for key, value in (("batch", args.batch_size), ("max_rows", args.max_rows),
                        ("iters", args.iters)):
         if value is not None:
@@ -293,7 +302,7 @@ def main(argv=None) -> int:
         write_json(args.out, result)
     for r in result.get("weak_scaling", {}).get("runs", []):
         eff = result["weak_scaling"]["efficiency"].get(r["plan"], {}).get(str(r["devices"]), {})
-        print(f"{r['plan']:11s} {r['devices']} device(s)  {r['step_ms']:9.2f} ms  "
+        print(f"{r['plan']:30s} {r['devices']} device(s)  {r['step_ms']:9.2f} ms  "
               f"{r['samples_per_s'] / 1e6:7.3f} M samples/s  efficiency "
               f"{eff.get('efficiency', 1.0):.2f}  vs unsharded {eff.get('vs_unsharded', 1.0):.2f}")
     print("equality:", "ok" if ok else "MISMATCH")

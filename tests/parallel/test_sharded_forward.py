@@ -66,6 +66,36 @@ def test_every_sharding_type_equals_the_unsharded_module(kind, weighted):
         np.testing.assert_array_equal(out.values(), 0.0)
 
 
+@pytest.mark.parametrize("kind", ["mixed", "row_wise"])
+def test_bfloat16_comms_round_the_pooled_values_only(kind):
+    """comm_dtype=bfloat16 (TorchRec's quantized comms): the outputs are the float32-comms
+    outputs rounded to bfloat16 once (all-to-all) or after a few bfloat16 additions
+    (row-wise partial sums); their gradients also travel in bfloat16."""
+    kjt = par.shard_batch(random_kjt(np.random.default_rng(6), weighted=True), mesh())
+    cotangent = jax.device_put(np.random.default_rng(7).normal(size=(N, B, 44)).astype(np.float32))
+
+    def weight_grad(model, kjt, ct):  # through the output's cotangent, back over the wire
+        def loss(weights):
+            again = KeyedJaggedTensor(kjt.keys(), kjt.values(), weights=weights, lengths=kjt.lengths())
+            return jnp.sum(model(again).values() * ct)
+        return jax.grad(loss)(kjt.weights())
+
+    results = {}
+    for dtype in (jnp.float32, jnp.bfloat16):
+        sharded = par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0),
+                                                    comm_dtype=dtype)
+        out = np.asarray(pooled(sharded, kjt).values())
+        results[dtype] = out, np.asarray(par.make_forward(weight_grad)(sharded, kjt, cotangent))
+    (out32, g32), (out16, g16) = results[jnp.float32], results[jnp.bfloat16]
+    assert out16.dtype == np.float32 and not np.array_equal(out16, out32)
+    scale = np.abs(out32).max()
+    np.testing.assert_allclose(out16, out32, rtol=2**-7, atol=2**-7 * scale)
+    np.testing.assert_allclose(g16, g32, rtol=0, atol=2**-6 * np.abs(g32).max())
+    with pytest.raises(ValueError, match="comm_dtype must be one of.*got int8"):
+        par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0),
+                                          comm_dtype=jnp.int8)
+
+
 def test_per_sample_weight_gradient_equals_the_unsharded_one():
     ebc = unsharded()
     sharded = par.shard(unsharded(), plan("mixed"), mesh())

@@ -171,18 +171,23 @@ repeated.defvjp(_repeated_fwd, _repeated_bwd)
 
 
 def assemble(layout: ShardedLayout, outputs: dict[str, list[jax.Array]], axis: str,
-             batch: int) -> jax.Array:
-    """The ``[B, total_dim]`` pooled output of this device's samples (module doc)."""
+             batch: int, comm_dtype=jnp.float32) -> jax.Array:
+    """The ``[B, total_dim]`` pooled output of this device's samples (module doc).
+
+    ``comm_dtype``: what the all-to-all and the reduce-scatter carry (the cotangents too:
+    the transpose of a cast is a cast); the result is float32 again."""
     n = layout.world_size
     parts = []
     if outputs[A2A]:
-        sent = jnp.concatenate(outputs[A2A], axis=1)                       # [N*B, W]
+        sent = jnp.concatenate(outputs[A2A], axis=1).astype(comm_dtype)    # [N*B, W]
         width = sent.shape[1]
         received = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)         # [N(source)*B, W]
+        received = received.astype(jnp.float32)
         parts.append(received.reshape(n, batch, width).transpose(1, 0, 2).reshape(batch, -1))
     if outputs[REDUCE]:
-        partial = jnp.concatenate(outputs[REDUCE], axis=1)                 # [N*B, W]
-        parts.append(jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True))
+        partial = jnp.concatenate(outputs[REDUCE], axis=1).astype(comm_dtype)  # [N*B, W]
+        reduced = jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
+        parts.append(reduced.astype(jnp.float32))
     if outputs[DP]:
         parts.append(jnp.concatenate(outputs[DP], axis=1))
     parts.append(jnp.zeros((batch, 1), jnp.float32))

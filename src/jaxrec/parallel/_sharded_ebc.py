@@ -45,6 +45,7 @@ from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
 from jaxrec.parallel._types import ShardingPlan, ShardingType
 from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
+_COMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 _COLUMN_SEPARABLE = (SGD, Adagrad, Adam)
 """Optimizers whose update of a row's column does not read the row's other columns."""
 
@@ -63,6 +64,11 @@ class ShardedEmbeddingBagCollection(nnx.Module):
       initial: instead of ``rngs``, the tables' portable form
         ``{table: {"weights": [rows, dim], <state field>: ..., "step": int32[]}}`` (what
         ``shard`` passes, and what ``portable_tables`` returns).
+      comm_dtype: the dtype of the pooled embeddings (and their gradients) on the wire:
+        float32 (default, exact) or bfloat16 / float16, TorchRec's quantized comms
+        (``QCommsConfig``): half the bytes of the output all-to-all and reduce-scatter,
+        at 16-bit rounding of the pooled values and of their gradients (row-wise partial
+        sums are also added in that dtype). Lookups and updates stay float32.
       bounds_check_mode, backend, name: as for ``EmbeddingBagCollection``.
     """
 
@@ -70,6 +76,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
                  mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
                  optimizer: OptimizerConfig | None = None, rngs: nnx.Rngs | None = None,
                  initial: Mapping[str, Mapping[str, jax.Array]] | None = None,
+                 comm_dtype=jnp.float32,
                  bounds_check_mode: BoundsCheckMode | str = BoundsCheckMode.WARNING,
                  backend: str = "auto", name: str = "ebc"):
         tables = tuple(tables)
@@ -88,6 +95,10 @@ class ShardedEmbeddingBagCollection(nnx.Module):
                              "for this mesh (world_size=mesh.shape[axis_name])")
         if optimizer is not None and not isinstance(optimizer, OptimizerConfig):
             raise TypeError(f"optimizer must be None or a fused optimizer config, got {optimizer!r}")
+        comm_dtype = jnp.dtype(comm_dtype)
+        if comm_dtype not in _COMM_DTYPES:
+            raise ValueError(f"comm_dtype must be one of {[d.name for d in _COMM_DTYPES]}, got "
+                             f"{comm_dtype.name}")
         if (rngs is None) == (initial is None):
             raise ValueError("pass exactly one of rngs= (new tables) or initial= (portable tables)")
         self.layout = build_layout(table_specs(tables), plan)
@@ -104,6 +115,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         self.mesh = mesh
         self.axis_name = axis_name
         self.optimizer = optimizer
+        self.comm_dtype = comm_dtype
         self.bounds_check_mode = bounds_check_mode
         self.backend = backend
         self.name = name
@@ -193,7 +205,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             if repeated:
                 out = _dist.own_rows(out, self.axis_name, batch)
             outputs[group.kind].append(out)
-        pooled = _dist.assemble(layout, outputs, self.axis_name, batch)
+        pooled = _dist.assemble(layout, outputs, self.axis_name, batch, self.comm_dtype)
         dims = [layout.tables[t].dim for t in layout.feature_table]
         return KeyedTensor(list(layout.features), dims, pooled)
 
@@ -290,16 +302,17 @@ def portable_from_collection(ebc: EmbeddingBagCollection) -> dict[str, dict[str,
 
 
 def shard(model: nnx.Module, plan: ShardingPlan, mesh: jax.sharding.Mesh, *,
-          axis_name: str | None = None) -> nnx.Module:
+          axis_name: str | None = None, comm_dtype=jnp.float32) -> nnx.Module:
     """TorchRec's ``DistributedModelParallel`` in one call: every ``EmbeddingBagCollection``
     of ``model`` becomes a ``ShardedEmbeddingBagCollection`` (same tables, same optimizer
     state), every other variable is replicated over ``mesh`` (the dense part is data
-    parallel). Returns the model (changed in place; an EmbeddingBagCollection itself
-    comes back sharded)."""
+    parallel). ``comm_dtype``: see ``ShardedEmbeddingBagCollection``. Returns the model
+    (changed in place; an EmbeddingBagCollection itself comes back sharded)."""
     def sharded(ebc):
         return ShardedEmbeddingBagCollection(
             ebc.table_configs, plan, mesh, axis_name=axis_name, optimizer=ebc.optimizer,
-            initial=portable_from_collection(ebc), bounds_check_mode=ebc.bounds_check_mode,
+            initial=portable_from_collection(ebc), comm_dtype=comm_dtype,
+            bounds_check_mode=ebc.bounds_check_mode,
             backend=ebc.backend, name=ebc.name)
 
     if isinstance(model, EmbeddingBagCollection):
