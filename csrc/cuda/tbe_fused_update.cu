@@ -19,8 +19,8 @@
 // in place; the handler reads them from the result buffers.
 #include <cuda_runtime.h>
 
-#include <cstdint>
 #include <algorithm>
+#include <cstdint>
 #include <limits>
 #include <optional>
 #include <string>
@@ -342,8 +342,8 @@ ffi::Error DispatchKind(int32_t kind, const Launch& l, int chunks, const FusedAr
   return Check(cudaGetLastError(), "fused update");
 }
 
-ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> grad, ffi::AnyBuffer weights,
-                              ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
+ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> grad,
+                              ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                               ffi::Buffer<ffi::F32> per_sample_weights, ffi::Buffer<ffi::S32> layout,
                               ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
                               ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
@@ -421,9 +421,9 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
     a.partials = static_cast<float*>(*buffer);
   }
   const unsigned window_blocks = static_cast<unsigned>((windows + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  const Launch l{stream, blocks, window_blocks, grad.typed_data(), weights_out->untyped_data(), indices.untyped_data(),
-                 offsets.untyped_data(), sorted_keys.untyped_data(), sorted_positions.untyped_data(),
-                 sorted_bags.untyped_data()};
+  const Launch l{stream, blocks, window_blocks, grad.typed_data(), weights_out->untyped_data(),
+                 indices.untyped_data(), offsets.untyped_data(), sorted_keys.untyped_data(),
+                 sorted_positions.untyped_data(), sorted_bags.untyped_data()};
 
   return DispatchIndexType(index_type, "indices", [&](auto zero) {
     using I = decltype(zero);
