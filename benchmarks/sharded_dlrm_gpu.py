@@ -289,6 +289,7 @@ def main(argv=None) -> int:
     sizes = [n for n in (1, 2, 4, 8) if n <= len(devices)]
     result = environment("sharded_dlrm_gpu", devices[0].device_kind, {}, {})
     result.update(nvidia_driver=nvidia_driver(), platform=devices[0].platform,
+                  xla_flags=os.environ.get("XLA_FLAGS", ""),
                   device_count=len(devices), config={**cfg, "sizes": sizes,
                                                      "optimizer": "fused rowwise Adagrad 0.01",
                                                      "dense_optimizer": "adam 1e-3"})
