@@ -477,8 +477,7 @@ def test_bad_weight_dist():
 
 
 BENCH = TTLayout.create(11_000_000, 64, [32, 32])  # p (200, 220, 250), q (4, 4, 4)
-# bench and t3 take the grouped backward of three cores (odd q and ranks in t3), t2 and t4
-# the per-position one.
+# Two, three and four cores; t3 has odd q and ranks (slices that are not multiples of 4).
 GPU_LAYOUTS = {"bench": BENCH, "t2": LAYOUTS[2], "t4": LAYOUTS[4], "t3": LAYOUTS[3]}
 KERNEL_RTOL = 1e-4  # of the output / gradient scale: float32 atomics reorder the sums
 
