@@ -39,7 +39,13 @@ from jaxrec.ops.bounds_check import (
     as_bounds_check_mode,
     bounds_check_indices,
 )
-from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, _check_weights, as_pooling_mode
+from jaxrec.ops.tbe_layout import (
+    PoolingMode,
+    TableLayout,
+    _check_weights,
+    as_pooling_mode,
+    per_sample_weights_operand,
+)
 from jaxrec.ops.tbe_reference import bag_of_position, embedding_bag_reference, row_keys
 
 
@@ -226,13 +232,5 @@ def _validate(weights, indices, offsets, layout, pooling, per_sample_weights, ou
             raise ValueError(f"pooling=NONE needs one dim for all features, got {layout.feature_dims}")
         if per_sample_weights is not None:
             raise ValueError("per_sample_weights need pooling SUM or MEAN; pooling=NONE has no bags to weight")
-    weighted = per_sample_weights is not None
-    if weighted:
-        per_sample_weights = jnp.asarray(per_sample_weights)
-        if per_sample_weights.shape != indices.shape or per_sample_weights.dtype != jnp.float32:
-            raise ValueError(f"per_sample_weights must be float32{list(indices.shape)} like indices, "
-                             f"got {per_sample_weights.dtype}{list(per_sample_weights.shape)}")
-    else:
-        per_sample_weights = jnp.zeros((0,), jnp.float32)
-    config = _Config(layout, pooling, output_dtype.name, weighted, backend)
-    return config, indices, offsets, per_sample_weights
+    config = _Config(layout, pooling, output_dtype.name, per_sample_weights is not None, backend)
+    return config, indices, offsets, per_sample_weights_operand(per_sample_weights, indices)

@@ -42,6 +42,18 @@ def as_pooling_mode(pooling) -> PoolingMode:
                          f"names; got {pooling!r}") from None
 
 
+def per_sample_weights_operand(per_sample_weights, indices) -> jax.Array:
+    """The kernels' per-sample-weights operand: ``float32[N]`` like ``indices``, checked,
+    or ``float32[0]`` when unweighted (None)."""
+    if per_sample_weights is None:
+        return jnp.zeros((0,), jnp.float32)
+    psw = jnp.asarray(per_sample_weights)
+    if psw.shape != indices.shape or psw.dtype != jnp.float32:
+        raise ValueError(f"per_sample_weights must be float32{list(indices.shape)} like indices, "
+                         f"got {psw.dtype}{list(psw.shape)}")
+    return psw
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TableLayout:
     """Tables in one flat buffer and the table each feature looks up."""

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxrec import _ffi
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
-from jaxrec.ops.tbe_layout import PoolingMode, as_pooling_mode
+from jaxrec.ops.tbe_layout import PoolingMode, as_pooling_mode, per_sample_weights_operand
 from jaxrec.ops.tt_layout import TTLayout
 from jaxrec.ops.tt_reference import batch_to_bags, bags_to_batch, tt_embedding_bag_reference
 
@@ -192,13 +192,7 @@ def validate(cores, indices, offsets, layout, pooling, per_sample_weights, num_f
                          f"num_features F = {num_features!r}; pass B + 1 offsets per feature "
                          "(feature-major, the last one shared)")
     weighted = per_sample_weights is not None
-    if weighted:
-        psw = jnp.asarray(per_sample_weights)
-        if psw.shape != indices.shape or psw.dtype != jnp.float32:
-            raise ValueError(f"per_sample_weights must be float32{list(indices.shape)} like "
-                             f"indices, got {psw.dtype}{list(psw.shape)}")
-    else:
-        psw = jnp.zeros((0,), jnp.float32)
+    psw = per_sample_weights_operand(per_sample_weights, indices)
     if backend not in ("auto", "kernel", "reference"):
         raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
     return cores, indices, offsets, psw, TTSpec(layout, pooling, int(num_features), weighted, backend)

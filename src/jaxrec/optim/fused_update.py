@@ -38,7 +38,13 @@ import numpy as np
 
 from jaxrec import _ffi
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
-from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, _check_weights, as_pooling_mode
+from jaxrec.ops.tbe_layout import (
+    PoolingMode,
+    TableLayout,
+    _check_weights,
+    as_pooling_mode,
+    per_sample_weights_operand,
+)
 from jaxrec.ops.tbe_reference import bag_of_position, embedding_bag_reference, row_keys
 from jaxrec.ops.tbe_sparse_grad import embedding_bag_sparse_grad
 from jaxrec.optim import _configs as C
@@ -199,15 +205,9 @@ def _validate(weights, state, grad_output, indices, offsets, layout, config, hpa
                          f"and pooling {pooling.name}, got {tuple(grad_output.shape)}")
     grad_output = grad_output.astype(jnp.float32)
     weighted = per_sample_weights is not None
-    if weighted:
-        if pooling == PoolingMode.NONE:
-            raise ValueError("per_sample_weights need pooling SUM or MEAN")
-        per_sample_weights = jnp.asarray(per_sample_weights)
-        if per_sample_weights.shape != indices.shape or per_sample_weights.dtype != jnp.float32:
-            raise ValueError(f"per_sample_weights must be float32{list(indices.shape)} like indices, "
-                             f"got {per_sample_weights.dtype}{list(per_sample_weights.shape)}")
-    else:
-        per_sample_weights = jnp.zeros((0,), jnp.float32)
+    if weighted and pooling == PoolingMode.NONE:
+        raise ValueError("per_sample_weights need pooling SUM or MEAN")
+    per_sample_weights = per_sample_weights_operand(per_sample_weights, indices)
     if backend not in ("auto", "kernel", "reference"):
         raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
     return _Op(layout, config, pooling, weighted), hparams, grad_output, indices, offsets, per_sample_weights
