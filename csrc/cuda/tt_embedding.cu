@@ -388,8 +388,11 @@ ffi::Error CheckMatrix(std::string_view op, std::string_view what, const F32Buff
   return ffi::Error::Success();
 }
 
-// Warps per block of a chain kernel whose warps each need `floats` of shared memory.
-ffi::Error ChainLaunch(std::string_view op, const void* kernel, int floats, int* warps, size_t* bytes) {
+// Launches a chain kernel (one warp per position, each needing `floats` of shared
+// memory) over num_positions positions: as many warps per block as shared memory allows.
+template <typename... KernelArgs, typename... Args>
+ffi::Error LaunchChain(std::string_view op, void (*kernel)(KernelArgs...), int floats, int64_t num_positions,
+                       cudaStream_t stream, Args... args) {
   int device = 0, optin = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
@@ -400,17 +403,17 @@ ffi::Error ChainLaunch(std::string_view op, const void* kernel, int floats, int*
                            std::to_string(per_warp) + " bytes of shared memory, the GPU gives a block " +
                            std::to_string(optin) + "; use backend=\"reference\"");
   }
-  *warps = static_cast<int>(std::min<size_t>(kMaxWarpsPerBlock, optin / per_warp));
-  *bytes = *warps * per_warp;
-  if (*bytes > 48 * 1024) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(*bytes));
+  const int warps = static_cast<int>(std::min<size_t>(kMaxWarpsPerBlock, optin / per_warp));
+  const size_t bytes = warps * per_warp;
+  if (bytes > 48 * 1024) {
+    err = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(bytes));
     if (err != cudaSuccess) return CudaError(op, err, "shared memory attribute");
   }
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((num_positions + warps - 1) / warps, kMaxBlocks));
+  kernel<<<blocks, warps * kWarpSize, bytes, stream>>>(args...);
+  if (err = cudaGetLastError(); err != cudaSuccess) return CudaError(op, err, "chain launch");
   return ffi::Error::Success();
-}
-
-unsigned ChainBlocks(int64_t num_positions, int warps) {
-  return static_cast<unsigned>(std::min<int64_t>((num_positions + warps - 1) / warps, kMaxBlocks));
 }
 
 TtArgs MakeArgs(const TtShape& shape, const F32Buffer* const* cores, const F32Buffer& psw,
@@ -445,16 +448,11 @@ ffi::Error TtForwardCuda(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBu
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
     if (args.num_positions > 0) {
-      int warps = 0;
-      size_t bytes = 0;
-      if (ffi::Error e = ChainLaunch(kForward, reinterpret_cast<const void*>(TtRowsKernel<I>),
-                                     shape.forward_floats, &warps, &bytes);
+      if (ffi::Error e = LaunchChain(kForward, TtRowsKernel<I>, shape.forward_floats, args.num_positions, stream,
+                                     args, indices.typed_data<I>(), offsets.typed_data<I>(), rows->typed_data());
           e.failure()) {
         return e;
       }
-      TtRowsKernel<I><<<ChainBlocks(args.num_positions, warps), warps * kWarpSize, bytes, stream>>>(
-          args, indices.typed_data<I>(), offsets.typed_data<I>(), rows->typed_data());
-      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return CudaError(kForward, err, "rows launch");
     }
     if (args.num_bags > 0) {
       const unsigned blocks = static_cast<unsigned>((args.num_bags + kPoolWarpsPerBlock - 1) / kPoolWarpsPerBlock);
@@ -503,17 +501,8 @@ ffi::Error TtBackwardCuda(cudaStream_t stream, F32Buffer grad_out, ffi::AnyBuffe
 
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
-    int warps = 0;
-    size_t bytes = 0;
-    if (ffi::Error e = ChainLaunch(kBackward, reinterpret_cast<const void*>(TtBackwardKernel<I>),
-                                   shape.backward_floats, &warps, &bytes);
-        e.failure()) {
-      return e;
-    }
-    TtBackwardKernel<I><<<ChainBlocks(args.num_positions, warps), warps * kWarpSize, bytes, stream>>>(
-        args, grad_out.typed_data(), indices.typed_data<I>(), offsets.typed_data<I>(), gpsw);
-    if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return CudaError(kBackward, err, "launch");
-    return ffi::Error::Success();
+    return LaunchChain(kBackward, TtBackwardKernel<I>, shape.backward_floats, args.num_positions, stream, args,
+                       grad_out.typed_data(), indices.typed_data<I>(), offsets.typed_data<I>(), gpsw);
   });
 }
 
