@@ -13,7 +13,9 @@
    D=128, MLPs 512-256-128 / 1024-1024-512-256-1, fused rowwise Adagrad, dense Adam, one
    Zipf id per bag): the batch per GPU is fixed, the tables are TABLE_WISE (placed by the
    planner) or ROW_WISE, on sub-meshes of 1, 2, 4 and 8 of the visible devices, each with
-   float32 and with bfloat16 comms of the pooled embeddings (``--comm-dtypes``). Reported:
+   float32 and with bfloat16 comms of the pooled embeddings (``--comm-dtypes``), and with
+   and without ``max_ids_per_bag=1`` (``--max-ids-per-bag``: one-hot features, so each
+   device reads only its features' ids from the gathered KJTs). Reported:
    step time, samples/s, and efficiency = t(1) / t(n) (t(1): the same sharded step on one
    device; ``vs_unsharded``: jaxrec.nn's unsharded step on one device instead).
 
@@ -123,11 +125,13 @@ def equality(devices) -> list[dict]:
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
     plans, local = equality_plans(n)
-    cases = [(kind, "adam") for kind in plans if kind != "rows"] + [("rows", "rowwise_adagrad"),
-                                                                   ("mixed", "plain")]
+    # (plan, optimizer, max_ids_per_bag): bags have up to 3 ids
+    cases = ([(kind, "adam", None) for kind in plans if kind != "rows"]
+             + [("rows", "rowwise_adagrad", None), ("mixed", "plain", None),
+                ("mixed", "adam", 3), ("rows", "rowwise_adagrad", 3)])
     reference_steps = {}
     results = []
-    for kind, opt_name in cases:
+    for kind, opt_name, bound in cases:
         optimizer = {"adam": Adam(learning_rate=0.05), "rowwise_adagrad":
                      RowWiseAdagrad(learning_rate=0.1), "plain": None}[opt_name]
         tx = optax.adagrad(0.1) if optimizer is None else optax.adam(1e-2)
@@ -139,7 +143,7 @@ def equality(devices) -> list[dict]:
         with jax.default_device(devices[0]):
             reference = build()
         plan = par.construct_plan(EQ_TABLES, plans[kind], n, local_world_size=local)
-        model = par.shard(build(), plan, mesh)
+        model = par.shard(build(), plan, mesh, max_ids_per_bag=bound)
         ref_opt, opt = PartitionedOptimizer(reference, tx), PartitionedOptimizer(model, tx)
         ref_step = reference_steps.setdefault(opt_name, make_train_step(
             lambda m, b: jnp.sum((m(b.dense, b.sparse) - b.labels) ** 2) / (n * EQ_B)))
@@ -162,9 +166,10 @@ def equality(devices) -> list[dict]:
         errors["dense"] = max(_error(a, b) for a, b in zip(jax.tree.leaves(nnx.state(model.head)),
                                                            jax.tree.leaves(nnx.state(reference.head))))
         ok = all(e <= 1.0 for e in errors.values())
-        results.append({"plan": kind, "optimizer": opt_name, "devices": n, "ok": ok,
+        results.append({"plan": kind, "optimizer": opt_name, "max_ids_per_bag": bound,
+                        "devices": n, "ok": ok,
                         "error_over_tolerance": errors})
-        print(f"equality {kind:15s} {opt_name:16s} {'ok' if ok else 'MISMATCH'} {errors}",
+        print(f"equality {kind:15s} {opt_name:16s} {bound} {'ok' if ok else 'MISMATCH'} {errors}",
               file=sys.stderr, flush=True)
     return results
 
@@ -221,17 +226,19 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
     for n in sizes:
         mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
         batches = [par.shard_batch(x, mesh) for x in log.batches(n * b, 4)]
-        for label, kind, comm_dtype in variants(cfg["comm_dtypes"]):
+        for label, kind, comm_dtype, bound in variants(cfg["comm_dtypes"], cfg["bounds"]):
             constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
             topology = par.Topology(world_size=n, hbm_cap=_memory_cap(devices[0]), batch_size=b)
             plan = par.EmbeddingShardingPlanner(topology, optimizer=optimizer,
                                                 constraints=constraints).plan(tables)
             ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=optimizer,
-                                                    initial=initial, comm_dtype=comm_dtype)
+                                                    initial=initial, comm_dtype=comm_dtype,
+                                                    max_ids_per_bag=bound)
             model = par.shard(DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"],
                                    rngs=nnx.Rngs(1)), plan, mesh)
             opt = PartitionedOptimizer(model, optax.adam(1e-3))
             run = {"plan": label, "devices": n, "global_batch": n * b, "comm_dtype": comm_dtype,
+                   "max_ids_per_bag": bound,
                    "planner_estimate": {"step_ms": max(plan.stats.perf) * 1e3,
                                         "memory_gb": plan.stats.memory / 1e9,
                                         "imbalance": plan.stats.imbalance}}
@@ -246,15 +253,17 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
     efficiency = {label: {str(r["devices"]): {"efficiency": base[label] / r["step_ms"],
                                               "vs_unsharded": unsharded / r["step_ms"]}
                           for r in runs if r["plan"] == label}
-                  for label, _, _ in variants(cfg["comm_dtypes"])}
+                  for label, *_ in variants(cfg["comm_dtypes"], cfg["bounds"])}
     return {"runs": runs, "efficiency": efficiency, "table_init_s": init_s,
             "table_rows": list(log.table_sizes), "total_rows": int(sum(log.table_sizes))}
 
 
-def variants(comm_dtypes: list[str]) -> list[tuple[str, str, str]]:
-    """(label, sharding type, comm dtype): float32 comms are the plain label."""
-    return [(kind if dtype == "float32" else f"{kind}+{dtype}_comms", kind, dtype)
-            for dtype in comm_dtypes for kind in ("table_wise", "row_wise")]
+def variants(comm_dtypes: list[str], bounds: list[int | None]):
+    """(label, sharding type, comm dtype, max_ids_per_bag): float32 comms and no bound are
+    the plain label."""
+    return [(kind + ("" if dtype == "float32" else f"+{dtype}_comms")
+             + ("" if bound is None else f"+max_ids_{bound}"), kind, dtype, bound)
+            for bound in bounds for dtype in comm_dtypes for kind in ("table_wise", "row_wise")]
 
 
 def _memory_cap(device) -> int:
@@ -277,10 +286,13 @@ def main(argv=None) -> int:
     p.add_argument("--max-devices", type=int, help="use at most this many devices")
     p.add_argument("--comm-dtypes", default="float32,bfloat16",
                    help="pooled-embedding comms dtypes to scale with (comm_dtype)")
+    p.add_argument("--max-ids-per-bag", default="none,1",
+                   help="max_ids_per_bag values to scale with ('none': no bound)")
     p.add_argument("--skip-equality", action="store_true")
     p.add_argument("--skip-scaling", action="store_true")
     args = p.parse_args(argv)
-    cfg = dict(TINY if args.tiny else FULL, comm_dtypes=args.comm_dtypes.split(","))
+    cfg = dict(TINY if args.tiny else FULL, comm_dtypes=args.comm_dtypes.split(","),
+               bounds=[None if b == "none" else int(b) for b in args.max_ids_per_bag.split(",")])
     for key, value in (("batch", args.batch_size), ("max_rows", args.max_rows),
                        ("iters", args.iters)):
         if value is not None:

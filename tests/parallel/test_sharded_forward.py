@@ -41,13 +41,17 @@ def unsharded():
     return EmbeddingBagCollection(TABLES, rngs=nnx.Rngs(0))
 
 
-# (sharding type, weighted ids): every type once, weighted and not among them.
-@pytest.mark.parametrize("kind, weighted", [
-    ("table_wise", True), ("row_wise", False), ("column_wise", True), ("table_row_wise", False),
-    ("data_parallel", True), ("mixed", True)])
-def test_every_sharding_type_equals_the_unsharded_module(kind, weighted):
+# (sharding type, weighted ids, max_ids_per_bag): every type once, weighted and not among
+# them, with and without the bound (which reads per-feature windows of the gathered ids;
+# bags have up to 3 ids; "geo" unbounded leaves the groups that read it on the full path).
+@pytest.mark.parametrize("kind, weighted, bound", [
+    ("table_wise", True, None), ("row_wise", False, 3), ("column_wise", True, None),
+    ("table_row_wise", False, 3), ("data_parallel", True, 3), ("mixed", True, None),
+    ("mixed", False, {k: 3 + (k == "x") for k in KEYS if k not in ("extra", "geo")})])
+def test_every_sharding_type_equals_the_unsharded_module(kind, weighted, bound):
     ebc = unsharded()
-    sharded = par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0))
+    sharded = par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0),
+                                                max_ids_per_bag=bound)
     for name, table in ebc.split_embedding_weights().items():  # same initial tables
         np.testing.assert_array_equal(sharded.split_embedding_weights()[name], table)
     kjt = random_kjt(np.random.default_rng(1), weighted=weighted, empty_device=2)
@@ -94,6 +98,32 @@ def test_bfloat16_comms_round_the_pooled_values_only(kind):
     with pytest.raises(ValueError, match="comm_dtype must be one of.*got int8"):
         par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0),
                                           comm_dtype=jnp.int8)
+
+
+def test_bags_longer_than_max_ids_per_bag_are_cut_or_refused():
+    """WARNING (and IGNORE) cut a longer bag to its first ids, as if the input had been cut;
+    FATAL raises when the step runs, naming the feature, the bag and the bound."""
+    kjt = random_kjt(np.random.default_rng(8), weighted=True)  # bags of up to 3 ids
+    lengths = np.asarray(kjt.lengths()).reshape(len(KEYS), N * B)
+    assert (lengths == 3).any()
+    starts = np.concatenate([[0], np.cumsum(lengths.ravel())[:-1]])
+    first_two = np.concatenate([np.arange(s, s + min(n, 2)) for s, n in zip(starts, lengths.ravel())])
+    cut = KeyedJaggedTensor.from_lengths_sync(KEYS, np.asarray(kjt.values())[first_two],
+                                              np.minimum(lengths, 2).ravel(),
+                                              weights=np.asarray(kjt.weights())[first_two])
+    sharded = par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(), rngs=nnx.Rngs(0),
+                                                max_ids_per_bag=2)
+    out = pooled(sharded, par.shard_batch(kjt, mesh()))
+    np.testing.assert_allclose(np.asarray(out.values()).reshape(N * B, -1),
+                               unsharded()(cut).values(), rtol=RTOL, atol=ATOL)
+    fatal = par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(), rngs=nnx.Rngs(0),
+                                              max_ids_per_bag=2, bounds_check_mode="FATAL")
+    with pytest.raises(Exception, match=r"ids, more than max_ids_per_bag=2\. Raise the bound"):
+        jax.block_until_ready(pooled(fatal, par.shard_batch(kjt, mesh())).values())
+    for bad, message in ((0, "must be positive ints"), ({"nope": 1}, r"names features \['nope'\]")):
+        with pytest.raises(ValueError, match=message):
+            par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(), rngs=nnx.Rngs(0),
+                                              max_ids_per_bag=bad)
 
 
 def test_per_sample_weight_gradient_equals_the_unsharded_one():

@@ -8,7 +8,8 @@ parameters agree:
 
 * fused Adam (column-separable), every sharding type at once, weighted ids;
 * fused rowwise Adagrad (a row-wise state), every type but COLUMN_WISE, with a device that
-  has no id at all and padding rows (uneven batches);
+  has no id at all and padding rows (uneven batches), and ``max_ids_per_bag`` (the ids read
+  from per-feature windows);
 * plain tables (nnx.Param) trained by optax: their dense gradients, shard by shard, and
   the data-parallel table's summed over devices.
 
@@ -35,18 +36,20 @@ STEPS = 3
 RTOL, ATOL = 2e-5, 1e-6
 
 CASES = {
-    "fused_adam_every_type": (Adam(learning_rate=0.05), "mixed", {"weighted": True}),
-    "fused_rowwise_adagrad_uneven": (RowWiseAdagrad(learning_rate=0.1), "rows",
-                                     {"weighted": False, "empty_device": 3, "padded_rows": 4}),
-    "plain_optax_every_type": (None, "mixed", {"weighted": True}),
+    "fused_adam_every_type": (Adam(learning_rate=0.05), "mixed", {"weighted": True}, None),
+    "fused_rowwise_adagrad_uneven_bounded": (
+        RowWiseAdagrad(learning_rate=0.1), "rows",
+        {"weighted": False, "empty_device": 3, "padded_rows": 4}, 3),
+    "plain_optax_every_type": (None, "mixed", {"weighted": True}, None),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_sharded_training_equals_unsharded_training(case):
-    optimizer, kind, batch_args = CASES[case]
+    optimizer, kind, batch_args, bound = CASES[case]
     tx = optax.adagrad(0.1) if optimizer is None else optax.adam(1e-2)
-    reference, model = build(optimizer), par.shard(build(optimizer), plan(kind), mesh())
+    reference = build(optimizer)
+    model = par.shard(build(optimizer), plan(kind), mesh(), max_ids_per_bag=bound)
     initial = {k: np.asarray(v) for k, v in reference.sparse_arch.split_embedding_weights().items()}
     ref_opt = PartitionedOptimizer(reference, tx)
     opt = PartitionedOptimizer(model, tx)

@@ -123,6 +123,79 @@ def group_input(ids: Ids, slots: dict[str, jax.Array], mean_feature: np.ndarray,
     return out_values, group_offsets, psw
 
 
+def window_input(ids: Ids, slots: dict[str, jax.Array], mean_feature: np.ndarray, window: int,
+                 *, weighted: bool, need_weights: bool):
+    """``group_input`` over windows: the same ``(values, offsets, per_sample_weights)``, from
+    only the ids of this device's slots' features (``max_ids_per_bag``).
+
+    Each source's ids of one feature are contiguous in its KJT and, when no bag is longer
+    than the hint, fit ``window = B * max_ids_per_bag`` positions. Gathering those windows
+    per (slot, source) gives ``[S, sources, window]`` ids already in the group's bag order
+    (slot, source, sample), so the compaction is one running count. Capacity
+    ``S * sources * window`` instead of ``sources * C``: a table-wise device reads the
+    ids of its own features only.
+    """
+    values, lengths, weights = ids
+    sources, cap = values.shape
+    batch = lengths.shape[2]
+    dtype = values.dtype
+    feature = slots["slot_feature"]                                        # [S]
+    num_slots = feature.shape[0]
+    real = feature >= 0
+    f = jnp.maximum(feature, 0)
+    lengths = lengths.astype(dtype)
+    feature_start = _exclusive_cumsum(lengths.sum(-1))[:, :-1]            # [sources, F]
+    bag_length = jnp.where(real[:, None, None], lengths[:, f, :].transpose(1, 0, 2), 0)
+    bag_start = _exclusive_cumsum(bag_length)                              # [S, sources, B+1]
+    position = jnp.arange(window, dtype=dtype)
+    inside = position < bag_start[..., -1:]                                # [S, sources, W]
+    raw = jnp.clip(feature_start.T[f][..., None] + position, 0, cap - 1)
+    source = jnp.arange(sources)[None, :, None]
+    ids_ = values[source, raw]
+    lo, hi, offset = (slots[k].astype(dtype)[:, None, None] for k in ("lo", "hi", "offset"))
+    keep = (inside & (ids_ >= lo) & (ids_ < hi)).ravel()
+    kept_before = _exclusive_cumsum(keep.astype(dtype))                    # [S*sources*W + 1]
+    window_start = (jnp.arange(num_slots * sources, dtype=dtype) * window).reshape(num_slots, sources, 1)
+    starts = (window_start + jnp.minimum(bag_start[..., :-1], window)).ravel()  # NONE: cut
+    offsets = jnp.concatenate([kept_before[starts], kept_before[-1:]])
+    size = num_slots * sources * window
+    dest = jnp.where(keep, kept_before[:-1], size)
+    out_values = jnp.zeros((size,), dtype).at[dest].set((ids_ - lo + offset).ravel(), mode="drop")
+
+    psw = None
+    if need_weights:
+        w = weights[source, raw] if weighted else jnp.ones(raw.shape, jnp.float32)
+        w = w.astype(jnp.float32)
+        if mean_feature.any():
+            flat = bag_start.reshape(num_slots * sources, batch + 1)
+            sample = jax.vmap(bag_of_position, in_axes=(0, None))(flat, window)
+            length = jnp.take_along_axis(bag_length.reshape(num_slots * sources, batch),
+                                         jnp.clip(sample, 0, batch - 1), axis=1)
+            mean = jnp.asarray(mean_feature)[f][:, None, None]
+            w = jnp.where(mean, w / jnp.maximum(length.reshape(w.shape), 1).astype(jnp.float32), w)
+        psw = jnp.zeros((size,), jnp.float32).at[dest].set(w.ravel(), mode="drop")
+    return out_values, offsets, psw
+
+
+def truncate_bags(values, lengths, weights, max_ids: np.ndarray):
+    """This device's KJT with every bag of feature f cut to its first ``max_ids[f]`` ids
+    (the correction of a bag longer than ``max_ids_per_bag``; ``lengths [F, B]``)."""
+    dtype = values.dtype
+    cap = values.shape[0]
+    limit = jnp.asarray(max_ids, dtype)[:, None]
+    offsets = _exclusive_cumsum(lengths.ravel().astype(dtype))
+    bag = bag_of_position(offsets, cap)
+    inside = (bag >= 0) & (bag < lengths.size)
+    safe = jnp.clip(bag, 0, lengths.size - 1)
+    rank = jnp.arange(cap, dtype=dtype) - offsets[safe]
+    keep = inside & (rank < jnp.broadcast_to(limit, lengths.shape).ravel()[safe])
+    dest = jnp.where(keep, _exclusive_cumsum(keep.astype(dtype))[:-1], cap)
+    values = jnp.zeros_like(values).at[dest].set(values, mode="drop")
+    if weights is not None:
+        weights = jnp.zeros_like(weights).at[dest].set(weights, mode="drop")
+    return values, jnp.minimum(lengths, limit.astype(lengths.dtype)), weights
+
+
 def lookup(table, group: Group, values, offsets, psw, *, fused: bool, backend: str):
     """One group's SUM-pooled lookup ``[bags, S * D]`` (MEAN is in ``psw``)."""
     kwargs = {"pooling": PoolingMode.SUM, "per_sample_weights": psw,

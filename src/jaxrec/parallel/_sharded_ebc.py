@@ -69,6 +69,13 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         (``QCommsConfig``): half the bytes of the output all-to-all and reduce-scatter,
         at 16-bit rounding of the pooled values and of their gradients (row-wise partial
         sums are also added in that dtype). Lookups and updates stay float32.
+      max_ids_per_bag: None, an int for every feature, or ``{feature: int}``: the most ids
+        of one bag (1 for one-hot features). A group whose features all have a bound reads,
+        per source device, only the ids of its own features (``B * max_ids_per_bag`` each)
+        instead of every gathered id: its index work and the fused backward's sort shrink
+        from ``N * C`` to about the share of its features. A longer bag is an error under
+        ``bounds_check_mode=FATAL``, cut to its first ``max_ids_per_bag`` ids under
+        WARNING and IGNORE (the correction), and undefined under NONE.
       bounds_check_mode, backend, name: as for ``EmbeddingBagCollection``.
     """
 
@@ -77,6 +84,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
                  optimizer: OptimizerConfig | None = None, rngs: nnx.Rngs | None = None,
                  initial: Mapping[str, Mapping[str, jax.Array]] | None = None,
                  comm_dtype=jnp.float32,
+                 max_ids_per_bag: int | Mapping[str, int] | None = None,
                  bounds_check_mode: BoundsCheckMode | str = BoundsCheckMode.WARNING,
                  backend: str = "auto", name: str = "ebc"):
         tables = tuple(tables)
@@ -116,6 +124,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         self.axis_name = axis_name
         self.optimizer = optimizer
         self.comm_dtype = comm_dtype
+        self.max_ids_per_bag = _max_ids(max_ids_per_bag, self.layout.features)  # per feature, 0: none
         self.bounds_check_mode = bounds_check_mode
         self.backend = backend
         self.name = name
@@ -194,9 +203,14 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             row = {k: jnp.asarray(v.astype(values.dtype))[0 if group.kind == DP else me]
                    for k, v in arrays.items()}
             ids = local if group.kind == DP and not self.fused else everyone
-            group_values, offsets, psw = _dist.group_input(
-                ids, row, mean & here, weighted=weights is not None,
-                need_weights=weights is not None or bool((mean & here).any()))
+            bounds = np.asarray(self.max_ids_per_bag)[here]
+            need = {"weighted": weights is not None,
+                    "need_weights": weights is not None or bool((mean & here).any())}
+            if here.any() and bounds.min() > 0:  # every feature of the group is bounded
+                group_values, offsets, psw = _dist.window_input(
+                    ids, row, mean & here, batch * int(bounds.max()), **need)
+            else:
+                group_values, offsets, psw = _dist.group_input(ids, row, mean & here, **need)
             repeated = group.kind == DP and self.fused  # the global batch, on every device
             if repeated and psw is not None:
                 psw = _dist.repeated(psw, layout.world_size)
@@ -226,7 +240,27 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             values, offsets, _ = bounds_check_indices(
                 rows, values, offsets, self.bounds_check_mode,
                 feature_names=list(self.layout.features), backend=self.backend)
-        return values, offsets[1:] - offsets[:-1], kjt.weights_or_none(), kjt.stride()
+        lengths = offsets[1:] - offsets[:-1]
+        mode = as_bounds_check_mode(self.bounds_check_mode)
+        bounds = np.asarray(self.max_ids_per_bag)
+        if bounds.any() and mode != BoundsCheckMode.NONE:
+            bounds = np.where(bounds > 0, bounds, values.shape[0])
+            by_feature = lengths.reshape(len(bounds), -1)
+            if mode == BoundsCheckMode.FATAL:
+                over = by_feature > bounds[:, None]
+                # Every device raises, about the first device with a long bag: a device that
+                # went on alone would wait for the others in the next collective.
+                first = jnp.argmax(over.ravel())
+                report = jnp.stack([over.any().astype(jnp.int32), first.astype(jnp.int32),
+                                    by_feature.ravel()[first].astype(jnp.int32)])
+                jax.debug.callback(functools.partial(_raise_too_long, self.layout.features, bounds,
+                                                     by_feature.shape[1]),
+                                   jax.lax.all_gather(report, self.axis_name))
+            else:
+                values, by_feature, weights = _dist.truncate_bags(
+                    values, by_feature, kjt.weights_or_none(), bounds)
+                return values, by_feature.ravel(), weights, kjt.stride()
+        return values, lengths, kjt.weights_or_none(), kjt.stride()
 
     # -- portable <-> group buffers -----------------------------------------------------
     def _variables(self, portable) -> list[nnx.Variable]:
@@ -280,6 +314,36 @@ class ShardedEmbeddingBagCollection(nnx.Module):
                 for x, s in zip(tables, shapes)]
 
 
+def _max_ids(bound, features: Sequence[str]) -> tuple[int, ...]:
+    """``max_ids_per_bag`` per feature (0: no bound), checked (a tuple: static, not state)."""
+    if bound is None:
+        return (0,) * len(features)
+    given = dict.fromkeys(features, bound) if isinstance(bound, int) else dict(bound)
+    unknown = sorted(set(given) - set(features))
+    if unknown:
+        raise ValueError(f"max_ids_per_bag names features {unknown} that no table reads; the "
+                         f"features are {list(features)}")
+    bad = {k: v for k, v in given.items()
+           if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v < 1}
+    if bad:
+        raise ValueError(f"max_ids_per_bag must be positive ints (the most ids of one bag), got "
+                         f"{bad}; leave a feature out to give it no bound")
+    return tuple(int(given.get(f, 0)) for f in features)
+
+
+def _raise_too_long(features, bounds, batch, reports):
+    """``reports [devices, (any, first bag, its length)]``: the FATAL error of a bag longer than
+    ``max_ids_per_bag``, about the first device that has one."""
+    devices = [d for d, r in enumerate(reports) if r[0]]
+    if devices:
+        _, bag, length = (int(x) for x in reports[devices[0]])
+        feature, sample = divmod(bag, batch)
+        raise ValueError(
+            f"feature {features[feature]!r}, bag {sample} of device {devices[0]}: {length} ids, "
+            f"more than max_ids_per_bag={int(bounds[feature])}. Raise the bound, or pass "
+            "bounds_check_mode=WARNING or IGNORE to cut such bags to their first ids")
+
+
 def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
     """``mesh`` with every axis of type Auto: jaxrec.parallel places arrays on it and lets
     XLA move data in its jitted gathers (Explicit axes would type every slice)."""
@@ -302,16 +366,19 @@ def portable_from_collection(ebc: EmbeddingBagCollection) -> dict[str, dict[str,
 
 
 def shard(model: nnx.Module, plan: ShardingPlan, mesh: jax.sharding.Mesh, *,
-          axis_name: str | None = None, comm_dtype=jnp.float32) -> nnx.Module:
+          axis_name: str | None = None, comm_dtype=jnp.float32,
+          max_ids_per_bag: int | Mapping[str, int] | None = None) -> nnx.Module:
     """TorchRec's ``DistributedModelParallel`` in one call: every ``EmbeddingBagCollection``
     of ``model`` becomes a ``ShardedEmbeddingBagCollection`` (same tables, same optimizer
     state), every other variable is replicated over ``mesh`` (the dense part is data
-    parallel). ``comm_dtype``: see ``ShardedEmbeddingBagCollection``. Returns the model
+    parallel). ``comm_dtype``, ``max_ids_per_bag``: see ``ShardedEmbeddingBagCollection``.
+    Returns the model
     (changed in place; an EmbeddingBagCollection itself comes back sharded)."""
     def sharded(ebc):
         return ShardedEmbeddingBagCollection(
             ebc.table_configs, plan, mesh, axis_name=axis_name, optimizer=ebc.optimizer,
             initial=portable_from_collection(ebc), comm_dtype=comm_dtype,
+            max_ids_per_bag=max_ids_per_bag,
             bounds_check_mode=ebc.bounds_check_mode,
             backend=ebc.backend, name=ebc.name)
 
