@@ -19,10 +19,14 @@
    step time, samples/s, and efficiency = t(1) / t(n) (t(1): the same sharded step on one
    device; ``vs_unsharded``: jaxrec.nn's unsharded step on one device instead).
 
-A step's time is ``jaxrec.benchmark._measure.timed``: the median of 5 repeats of
-``--iters`` back-to-back steps over 4 pre-generated batches already on the devices.
-The tables are initialised once (as the unsharded module would) and loaded into each
-sharded model through the host (jaxrec.parallel's portable form).
+A step's time: for each sharding type, the models of every size (and the unsharded one)
+live at once, and ``round_robin`` runs ``--iters`` back-to-back steps of each case in turn,
+for 7 rounds in rotated order; the median over the rounds. One model per size serves
+every comms dtype and bound (they are the collection's static attributes; each setting
+compiles once). ``host_ms`` is the host's time to issue a step: when it nears
+``step_ms`` the step is bound by the host, not the GPUs. The tables are initialised
+once (as the unsharded module would) and loaded into each sharded model through the
+host (jaxrec.parallel's portable form).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ if "--tiny" in sys.argv:  # before JAX starts: 8 virtual CPU devices
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
+import functools
 import gc
 import time
 
@@ -45,7 +50,6 @@ from flax import nnx
 
 import jaxrec.parallel as par
 from jaxrec.benchmark._environment import environment, nvidia_driver
-from jaxrec.benchmark._measure import timed
 from jaxrec.benchmark._report import write_json
 from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, Batch, SyntheticClickLog
 from jaxrec.models import DLRM
@@ -59,9 +63,9 @@ from jaxrec.optim import Adam, RowWiseAdagrad
 from jaxrec.sparse import KeyedJaggedTensor
 
 FULL = {"dim": 128, "bottom": [512, 256, 128], "top": [1024, 1024, 512, 256, 1],
-        "batch": 16384, "max_rows": None, "iters": 20}
+        "batch": 16384, "max_rows": None, "iters": 20, "rounds": 7}
 TINY = {"dim": 16, "bottom": [32, 16], "top": [32, 16, 1], "batch": 64, "max_rows": 1000,
-        "iters": 3}
+        "iters": 3, "rounds": 2}
 
 
 # --- 1. equality ------------------------------------------------------------------------
@@ -200,52 +204,59 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
     init_s = time.perf_counter() - start
     b = cfg["batch"]
     runs = []
-
-    def record(run, model, optimizer_, step, batches, n):
-        start = time.perf_counter()
-        jax.block_until_ready(step(model, optimizer_, batches[0]))
-        run["compile_s"] = time.perf_counter() - start
-        seconds = timed(lambda batch: step(model, optimizer_, batch), [(x,) for x in batches],
-                        cfg["iters"], jax.block_until_ready)
-        run.update(step_ms=seconds * 1e3, samples_per_s=n * b / seconds,
-                   samples_per_s_per_device=b / seconds,
-                   peak_memory_gb=_peak_memory(devices[:n]))
-        runs.append(run)
-        print(run, file=sys.stderr, flush=True)
-
-    # The unsharded baseline: jaxrec.nn on one device.
-    with jax.default_device(devices[0]):
-        batches = [jax.device_put(x, devices[0]) for x in log.batches(b, 4)]
-        ebc = EmbeddingBagCollection(tables, optimizer=optimizer, rngs=nnx.Rngs(0))
-        model = DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"], rngs=nnx.Rngs(1))
-        opt = PartitionedOptimizer(model, optax.adam(1e-3))
-        record({"plan": "unsharded", "devices": 1}, model, opt, make_train_step(bce), batches, 1)
-        del model, opt, ebc, batches
-        gc.collect()
-
-    for n in sizes:
-        mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
-        batches = [par.shard_batch(x, mesh) for x in log.batches(n * b, 4)]
-        for label, kind, comm_dtype, bound in variants(cfg["comm_dtypes"], cfg["bounds"]):
+    for kind in ("table_wise", "row_wise"):
+        # Every size's model (and the unsharded one) at once, measured round-robin: a drift
+        # of the machine's speed then touches every case alike.
+        cases = []
+        if kind == "table_wise":  # the unsharded baseline: jaxrec.nn on one device
+            with jax.default_device(devices[0]):
+                batches = [jax.device_put(x, devices[0]) for x in log.batches(b, 4)]
+                ebc = EmbeddingBagCollection(tables, optimizer=optimizer, rngs=nnx.Rngs(0))
+                model = DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"], rngs=nnx.Rngs(1))
+                opt = PartitionedOptimizer(model, optax.adam(1e-3))
+            step = make_train_step(bce)
+            cases.append(({"plan": "unsharded", "devices": 1},
+                          functools.partial(step, model, opt), batches, 1))
+        for n in sizes:
+            mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
+            batches = [par.shard_batch(x, mesh) for x in log.batches(n * b, 4)]
             constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
             topology = par.Topology(world_size=n, hbm_cap=_memory_cap(devices[0]), batch_size=b)
             plan = par.EmbeddingShardingPlanner(topology, optimizer=optimizer,
                                                 constraints=constraints).plan(tables)
             ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=optimizer,
-                                                    initial=initial, comm_dtype=comm_dtype,
-                                                    max_ids_per_bag=bound)
+                                                    initial=initial)
             model = par.shard(DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"],
                                    rngs=nnx.Rngs(1)), plan, mesh)
             opt = PartitionedOptimizer(model, optax.adam(1e-3))
-            run = {"plan": label, "devices": n, "global_batch": n * b, "comm_dtype": comm_dtype,
-                   "max_ids_per_bag": bound,
-                   "planner_estimate": {"step_ms": max(plan.stats.perf) * 1e3,
-                                        "memory_gb": plan.stats.memory / 1e9,
-                                        "imbalance": plan.stats.imbalance}}
-            record(run, model, opt, par.make_train_step(bce), batches, n)
-            del model, opt, ebc
-            gc.collect()
-        del batches
+            step = par.make_train_step(bce)
+            estimate = {"step_ms": max(plan.stats.perf) * 1e3, "memory_gb": plan.stats.memory / 1e9,
+                        "imbalance": plan.stats.imbalance}
+            for label, _, comm_dtype, bound in variants(cfg["comm_dtypes"], cfg["bounds"], [kind]):
+                # One model per size; the settings are the collection's static attributes
+                # (each setting compiles its own step once).
+                def call(batch, ebc=ebc, model=model, opt=opt, step=step, comm_dtype=comm_dtype,
+                         bound=bound):
+                    ebc.comm_dtype = jnp.dtype(comm_dtype)
+                    ebc.max_ids_per_bag = (bound or 0,) * len(ebc.feature_names)
+                    return step(model, opt, batch)
+                cases.append(({"plan": label, "devices": n, "global_batch": n * b,
+                               "comm_dtype": comm_dtype, "max_ids_per_bag": bound,
+                               "planner_estimate": estimate}, call, batches, n))
+        for run, call, batches, _ in cases:
+            start = time.perf_counter()
+            jax.block_until_ready(call(batches[0]))
+            run["compile_s"] = time.perf_counter() - start
+            for i in range(3):
+                jax.block_until_ready(call(batches[i % len(batches)]))
+        step_s, host_s = round_robin([(call, batches) for _, call, batches, _ in cases],
+                                     cfg["iters"], cfg["rounds"])
+        for (run, _, _, n), seconds, host in zip(cases, step_s, host_s):
+            run.update(step_ms=seconds * 1e3, host_ms=host * 1e3, samples_per_s=n * b / seconds,
+                       samples_per_s_per_device=b / seconds)
+            runs.append(run)
+            print(run, file=sys.stderr, flush=True)
+        del cases, call, model, opt, ebc, batches
         gc.collect()
 
     base = {r["plan"]: r["step_ms"] for r in runs if r["devices"] == 1}
@@ -258,22 +269,37 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
             "table_rows": list(log.table_sizes), "total_rows": int(sum(log.table_sizes))}
 
 
-def variants(comm_dtypes: list[str], bounds: list[int | None]):
+def variants(comm_dtypes: list[str], bounds: list[int | None],
+             kinds=("table_wise", "row_wise")):
     """(label, sharding type, comm dtype, max_ids_per_bag): float32 comms and no bound are
     the plain label."""
     return [(kind + ("" if dtype == "float32" else f"+{dtype}_comms")
              + ("" if bound is None else f"+max_ids_{bound}"), kind, dtype, bound)
-            for bound in bounds for dtype in comm_dtypes for kind in ("table_wise", "row_wise")]
+            for bound in bounds for dtype in comm_dtypes for kind in kinds]
+
+
+def round_robin(cases, iters: int, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds per step of each ``(call, batches)``, and the host's seconds per step (until
+    the last call of a repeat returns, before waiting for the devices): each round runs
+    ``iters`` back-to-back steps of every case, in an order rotated round by round; the
+    median over the rounds."""
+    steps, hosts = [[] for _ in cases], [[] for _ in cases]
+    for r in range(rounds):
+        for k in [(r + j) % len(cases) for j in range(len(cases))]:
+            call, batches = cases[k]
+            start = time.perf_counter()
+            for i in range(iters):
+                out = call(batches[i % len(batches)])
+            hosts[k].append(time.perf_counter() - start)
+            jax.block_until_ready(out)
+            steps[k].append(time.perf_counter() - start)
+    median = lambda xs: [float(np.median(x)) / iters for x in xs]
+    return median(steps), median(hosts)
 
 
 def _memory_cap(device) -> int:
     stats = device.memory_stats() or {}
     return int(stats.get("bytes_limit", 64 << 30) * 0.8)
-
-
-def _peak_memory(devices) -> float | None:
-    peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in devices]
-    return max(peaks) / 1e9 if all(p is not None for p in peaks) else None
 
 
 def main(argv=None) -> int:
@@ -315,7 +341,8 @@ def main(argv=None) -> int:
         write_json(args.out, result)
     for r in result.get("weak_scaling", {}).get("runs", []):
         eff = result["weak_scaling"]["efficiency"].get(r["plan"], {}).get(str(r["devices"]), {})
-        print(f"{r['plan']:30s} {r['devices']} device(s)  {r['step_ms']:9.2f} ms  "
+        print(f"{r['plan']:36s} {r['devices']} device(s)  {r['step_ms']:7.2f} ms  "
+              f"(host {r['host_ms']:5.2f})  "
               f"{r['samples_per_s'] / 1e6:7.3f} M samples/s  efficiency "
               f"{eff.get('efficiency', 1.0):.2f}  vs unsharded {eff.get('vs_unsharded', 1.0):.2f}")
     print("equality:", "ok" if ok else "MISMATCH")

@@ -411,6 +411,6 @@ def replicate(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
 def on_mesh(x, mesh):
     """``x`` itself when it lives on ``mesh``, else a replicated copy over ``mesh``."""
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+    if isinstance(sharding, NamedSharding) and (sharding.mesh is mesh or sharding.mesh == mesh):
         return x
     return jax.device_put(x, NamedSharding(mesh, P()))

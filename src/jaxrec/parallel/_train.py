@@ -123,13 +123,18 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
                                check_vma=False)
         return jax.jit(mapped, donate_argnums=(0, 1, 2) if donate else ())
 
+    meshes = {}  # graphdef -> (mesh, axis): the model's structure decides them
+
     def train_step(model: nnx.Module, optimizer: PartitionedOptimizer, *batch):
         if not isinstance(optimizer, PartitionedOptimizer):
             raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
                             f"{type(optimizer).__name__}")
-        mesh, axis = mesh_of(model)
-        graphdef, params, tables, rest = (_placed(x, mesh) if i else x
-                                          for i, x in enumerate(split_for_training(model)))
+        graphdef, params, tables, rest = split_for_training(model)
+        found = meshes.get(graphdef)  # walking the modules each step would cost host time
+        if found is None:
+            found = meshes[graphdef] = mesh_of(model)
+        mesh, axis = found
+        params, tables, rest = (_placed(x, mesh) for x in (params, tables, rest))
         optimizer.opt_state = _placed(optimizer.opt_state, mesh)
         specs = (_specs(params), _specs(optimizer.opt_state), _specs(tables), _specs(rest))
         step = compiled(graphdef, optimizer.tx, mesh, axis, _key(*specs), len(batch))
