@@ -77,6 +77,10 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         ``bounds_check_mode=FATAL``, cut to its first ``max_ids_per_bag`` ids under
         WARNING and IGNORE (the correction), and undefined under NONE.
       bounds_check_mode, backend, name: as for ``EmbeddingBagCollection``.
+
+    ``comm_dtype`` and ``max_ids_per_bag`` (a tuple per feature in ``feature_names`` order,
+    0 for none) stay attributes of the module: static, so setting them between steps
+    compiles a new step (the benchmark compares settings on one model this way).
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], plan: ShardingPlan,
@@ -372,8 +376,8 @@ def shard(model: nnx.Module, plan: ShardingPlan, mesh: jax.sharding.Mesh, *,
     of ``model`` becomes a ``ShardedEmbeddingBagCollection`` (same tables, same optimizer
     state), every other variable is replicated over ``mesh`` (the dense part is data
     parallel). ``comm_dtype``, ``max_ids_per_bag``: see ``ShardedEmbeddingBagCollection``.
-    Returns the model
-    (changed in place; an EmbeddingBagCollection itself comes back sharded)."""
+    Returns the model (changed in place; an EmbeddingBagCollection itself comes back
+    sharded)."""
     def sharded(ebc):
         return ShardedEmbeddingBagCollection(
             ebc.table_configs, plan, mesh, axis_name=axis_name, optimizer=ebc.optimizer,
