@@ -126,6 +126,27 @@ def test_bags_longer_than_max_ids_per_bag_are_cut_or_refused():
                                               max_ids_per_bag=bad)
 
 
+def test_a_bad_id_on_one_device_fails_every_device_under_fatal():
+    """One device's bad id raises (on every device: none waits alone in a collective);
+    WARNING maps it to row 0 as the unsharded module does."""
+    kjt = random_kjt(np.random.default_rng(9), weighted=False)
+    values = np.asarray(kjt.values()).copy()
+    lengths = np.asarray(kjt.lengths()).reshape(len(KEYS), N * B)
+    user = KEYS.index("user")
+    start = lengths.ravel()[:user * N * B + 5 * B].sum()  # device 5's first "user" id
+    assert lengths[user, 5 * B:6 * B].sum() > 0
+    values[start] = 37  # t_user has 37 rows
+    bad = KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths.ravel())
+    fatal = par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(), rngs=nnx.Rngs(0),
+                                              bounds_check_mode="FATAL")
+    with pytest.raises(Exception, match="device 5 has 1 ids out of their tables' range"):
+        jax.block_until_ready(pooled(fatal, par.shard_batch(bad, mesh())).values())
+    warning = par.ShardedEmbeddingBagCollection(TABLES, plan("mixed"), mesh(), rngs=nnx.Rngs(0))
+    np.testing.assert_allclose(
+        np.asarray(pooled(warning, par.shard_batch(bad, mesh())).values()).reshape(N * B, -1),
+        unsharded()(bad).values(), rtol=RTOL, atol=ATOL)
+
+
 def test_per_sample_weight_gradient_equals_the_unsharded_one():
     ebc = unsharded()
     sharded = par.shard(unsharded(), plan("mixed"), mesh())

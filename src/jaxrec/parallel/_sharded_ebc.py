@@ -239,32 +239,44 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         kjt = features if order == list(range(len(keys))) else features.permute(order)
         values = kjt.values()
         offsets = kjt.offsets().astype(values.dtype)
-        if as_bounds_check_mode(self.bounds_check_mode) != BoundsCheckMode.NONE:
-            rows = [self.layout.tables[t].rows for t in self.layout.feature_table]
-            values, offsets, _ = bounds_check_indices(
-                rows, values, offsets, self.bounds_check_mode,
-                feature_names=list(self.layout.features), backend=self.backend)
-        lengths = offsets[1:] - offsets[:-1]
+        weights = kjt.weights_or_none()
         mode = as_bounds_check_mode(self.bounds_check_mode)
+        if mode == BoundsCheckMode.NONE:
+            return values, offsets[1:] - offsets[:-1], weights, kjt.stride()
+        # FATAL checks raise on every device, about the first device with bad input: a
+        # device that failed alone would leave the others waiting in the next collective.
+        fatal = mode == BoundsCheckMode.FATAL
+        rows = [self.layout.tables[t].rows for t in self.layout.feature_table]
+        values, offsets, corrected = bounds_check_indices(
+            rows, values, offsets, BoundsCheckMode.WARNING if fatal else mode,
+            feature_names=list(self.layout.features), backend=self.backend)
+        if fatal:
+            self._raise_everywhere(_bad_ids_message, corrected[None].astype(jnp.int32))
+        lengths = offsets[1:] - offsets[:-1]
         bounds = np.asarray(self.max_ids_per_bag)
-        if bounds.any() and mode != BoundsCheckMode.NONE:
-            bounds = np.where(bounds > 0, bounds, values.shape[0])
-            by_feature = lengths.reshape(len(bounds), -1)
-            if mode == BoundsCheckMode.FATAL:
-                over = by_feature > bounds[:, None]
-                # Every device raises, about the first device with a long bag: a device that
-                # went on alone would wait for the others in the next collective.
-                first = jnp.argmax(over.ravel())
-                report = jnp.stack([over.any().astype(jnp.int32), first.astype(jnp.int32),
-                                    by_feature.ravel()[first].astype(jnp.int32)])
-                jax.debug.callback(functools.partial(_raise_too_long, self.layout.features, bounds,
-                                                     by_feature.shape[1]),
-                                   jax.lax.all_gather(report, self.axis_name))
-            else:
-                values, by_feature, weights = _dist.truncate_bags(
-                    values, by_feature, kjt.weights_or_none(), bounds)
-                return values, by_feature.ravel(), weights, kjt.stride()
-        return values, lengths, kjt.weights_or_none(), kjt.stride()
+        if not bounds.any():
+            return values, lengths, weights, kjt.stride()
+        bounds = np.where(bounds > 0, bounds, values.shape[0])
+        by_feature = lengths.reshape(len(bounds), -1)
+        if fatal:
+            over = by_feature > bounds[:, None]
+            first = jnp.argmax(over.ravel())
+            report = jnp.stack([x.astype(jnp.int32) for x in
+                                (over.any(), first, by_feature.ravel()[first])])
+            self._raise_everywhere(functools.partial(_too_long_message, self.layout.features,
+                                                     bounds, by_feature.shape[1]), report)
+            return values, lengths, weights, kjt.stride()
+        values, by_feature, weights = _dist.truncate_bags(values, by_feature, weights, bounds)
+        return values, by_feature.ravel(), weights, kjt.stride()
+
+    def _raise_everywhere(self, message, report: jax.Array) -> None:
+        """Raises ``message(device, *report)`` on every device when the first entry of any
+        device's ``report`` is nonzero (the first such device and its report)."""
+        def check(reports):
+            bad = [d for d, r in enumerate(reports) if r[0]]
+            if bad:
+                raise ValueError(message(bad[0], *(int(x) for x in reports[bad[0]])))
+        jax.debug.callback(check, jax.lax.all_gather(report, self.axis_name))
 
     # -- portable <-> group buffers -----------------------------------------------------
     def _variables(self, portable) -> list[nnx.Variable]:
@@ -335,15 +347,16 @@ def _max_ids(bound, features: Sequence[str]) -> tuple[int, ...]:
     return tuple(int(given.get(f, 0)) for f in features)
 
 
-def _raise_too_long(features, bounds, batch, reports):
-    """``reports [devices, (any, first bag, its length)]``: the FATAL error of a bag longer than
-    ``max_ids_per_bag``, about the first device that has one."""
-    devices = [d for d, r in enumerate(reports) if r[0]]
-    if devices:
-        _, bag, length = (int(x) for x in reports[devices[0]])
-        feature, sample = divmod(bag, batch)
-        raise ValueError(
-            f"feature {features[feature]!r}, bag {sample} of device {devices[0]}: {length} ids, "
+def _bad_ids_message(device, count) -> str:
+    return (f"bounds_check_indices (FATAL): device {device} has {count} ids out of their "
+            "tables' range or bad offsets. Fix the ids, or pass bounds_check_mode=WARNING or "
+            "IGNORE to correct them (jaxrec.ops.bounds_check_indices on that device's KJT names "
+            "the feature and the bag)")
+
+
+def _too_long_message(features, bounds, batch, device, _, bag, length) -> str:
+    feature, sample = divmod(bag, batch)
+    return (f"feature {features[feature]!r}, bag {sample} of device {device}: {length} ids, "
             f"more than max_ids_per_bag={int(bounds[feature])}. Raise the bound, or pass "
             "bounds_check_mode=WARNING or IGNORE to cut such bags to their first ids")
 
