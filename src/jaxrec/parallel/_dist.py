@@ -151,16 +151,16 @@ def window_input(ids: Ids, slots: dict[str, jax.Array], mean_feature: np.ndarray
     inside = position < bag_start[..., -1:]                                # [S, sources, W]
     raw = jnp.clip(feature_start.T[f][..., None] + position, 0, cap - 1)
     source = jnp.arange(sources)[None, :, None]
-    ids_ = values[source, raw]
+    window_ids = values[source, raw]
     lo, hi, offset = (slots[k].astype(dtype)[:, None, None] for k in ("lo", "hi", "offset"))
-    keep = (inside & (ids_ >= lo) & (ids_ < hi)).ravel()
+    keep = (inside & (window_ids >= lo) & (window_ids < hi)).ravel()
     kept_before = _exclusive_cumsum(keep.astype(dtype))                    # [S*sources*W + 1]
     window_start = (jnp.arange(num_slots * sources, dtype=dtype) * window).reshape(num_slots, sources, 1)
     starts = (window_start + jnp.minimum(bag_start[..., :-1], window)).ravel()  # NONE: cut
     offsets = jnp.concatenate([kept_before[starts], kept_before[-1:]])
     size = num_slots * sources * window
     dest = jnp.where(keep, kept_before[:-1], size)
-    out_values = jnp.zeros((size,), dtype).at[dest].set((ids_ - lo + offset).ravel(), mode="drop")
+    out_values = jnp.zeros((size,), dtype).at[dest].set((window_ids - lo + offset).ravel(), mode="drop")
 
     psw = None
     if need_weights:

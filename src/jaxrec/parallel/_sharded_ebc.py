@@ -334,7 +334,8 @@ def _max_ids(bound, features: Sequence[str]) -> tuple[int, ...]:
     """``max_ids_per_bag`` per feature (0: no bound), checked (a tuple: static, not state)."""
     if bound is None:
         return (0,) * len(features)
-    given = dict.fromkeys(features, bound) if isinstance(bound, int) else dict(bound)
+    given = (dict.fromkeys(features, bound) if isinstance(bound, (int, np.integer))
+             else dict(bound))
     unknown = sorted(set(given) - set(features))
     if unknown:
         raise ValueError(f"max_ids_per_bag names features {unknown} that no table reads; the "
