@@ -63,7 +63,7 @@ def random_case(rng, dtype=np.int32, corrupt=True):
 def test_corrections_match_fbgemm_model(platform, backend, mode):
     rng = np.random.default_rng(0)
     check = jax.jit(bounds_check_indices, static_argnums=(0, 3), static_argnames="backend")
-    for _ in range(40):
+    for _ in range(24):  # each case has its own shapes: a compile per case
         rows, indices, offsets = random_case(rng)
         want_indices, want_offsets, want_count = fbgemm_model(rows, indices, offsets, mode)
         got = check(tuple(rows.tolist()), indices, offsets, mode, backend=backend)
