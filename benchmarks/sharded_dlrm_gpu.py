@@ -20,8 +20,9 @@
    device; ``vs_unsharded``: jaxrec.nn's unsharded step on one device instead).
 
 A step's time: for each sharding type, the models of every size (and the unsharded one)
-live at once, and ``round_robin`` runs ``--iters`` back-to-back steps of each case in turn,
-for 7 rounds in rotated order; the median over the rounds. One model per size serves
+live at once, and ``jaxrec.benchmark._measure.interleaved_timed`` runs ``--iters``
+back-to-back steps of each case in turn, for 7 rounds in rotated order; the median over
+the rounds. One model per size serves
 every comms dtype and bound (they are the collection's static attributes; each setting
 compiles once). ``host_ms`` is the host's time to issue a step: when it nears
 ``step_ms`` the step is bound by the host, not the GPUs. The tables are initialised
@@ -50,6 +51,7 @@ from flax import nnx
 
 import jaxrec.parallel as par
 from jaxrec.benchmark._environment import environment, nvidia_driver
+from jaxrec.benchmark._measure import interleaved_timed
 from jaxrec.benchmark._report import write_json
 from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, Batch, SyntheticClickLog
 from jaxrec.models import DLRM
@@ -249,8 +251,8 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
             run["compile_s"] = time.perf_counter() - start
             for i in range(3):
                 jax.block_until_ready(call(batches[i % len(batches)]))
-        step_s, host_s = round_robin([(call, batches) for _, call, batches, _ in cases],
-                                     cfg["iters"], cfg["rounds"])
+        step_s, host_s = interleaved_timed([(call, batches) for _, call, batches, _ in cases],
+                                           cfg["iters"], cfg["rounds"], jax.block_until_ready)
         for (run, _, _, n), seconds, host in zip(cases, step_s, host_s):
             run.update(step_ms=seconds * 1e3, host_ms=host * 1e3, samples_per_s=n * b / seconds,
                        samples_per_s_per_device=b / seconds)
@@ -276,25 +278,6 @@ def variants(comm_dtypes: list[str], bounds: list[int | None],
     return [(kind + ("" if dtype == "float32" else f"+{dtype}_comms")
              + ("" if bound is None else f"+max_ids_{bound}"), kind, dtype, bound)
             for bound in bounds for dtype in comm_dtypes for kind in kinds]
-
-
-def round_robin(cases, iters: int, rounds: int) -> tuple[list[float], list[float]]:
-    """Seconds per step of each ``(call, batches)``, and the host's seconds per step (until
-    the last call of a repeat returns, before waiting for the devices): each round runs
-    ``iters`` back-to-back steps of every case, in an order rotated round by round; the
-    median over the rounds."""
-    steps, hosts = [[] for _ in cases], [[] for _ in cases]
-    for r in range(rounds):
-        for k in [(r + j) % len(cases) for j in range(len(cases))]:
-            call, batches = cases[k]
-            start = time.perf_counter()
-            for i in range(iters):
-                out = call(batches[i % len(batches)])
-            hosts[k].append(time.perf_counter() - start)
-            jax.block_until_ready(out)
-            steps[k].append(time.perf_counter() - start)
-    median = lambda xs: [float(np.median(x)) / iters for x in xs]
-    return median(steps), median(hosts)
 
 
 def _memory_cap(device) -> int:

@@ -17,13 +17,20 @@ Modules, one concept each:
 
 from jaxrec.benchmark._cli import main
 from jaxrec.benchmark._environment import machine_info, nvidia_driver
-from jaxrec.benchmark._measure import NUM_ID_SETS, interleaved_medians, lookup_bytes, timed
+from jaxrec.benchmark._measure import (
+    NUM_ID_SETS,
+    interleaved_medians,
+    interleaved_timed,
+    lookup_bytes,
+    timed,
+)
 from jaxrec.benchmark._tbe_cpu import tbe_cpu, tbe_cpu_script
 from jaxrec.benchmark._tbe_gpu import tbe_gpu, tbe_gpu_script
 
 __all__ = [
     "NUM_ID_SETS",
     "interleaved_medians",
+    "interleaved_timed",
     "lookup_bytes",
     "machine_info",
     "main",

@@ -1,8 +1,11 @@
-"""How the benchmarks measure: the id sets they rotate, the two timing loops, the bytes moved.
+"""How the benchmarks measure: the id sets they rotate, the timing loops, the bytes moved.
 
 * GPU (:func:`timed`): median of 5 repeats of `iters` back-to-back calls after a
   warm-up; asynchronous dispatch keeps the device busy and the host waits once per
   repeat, so launch overhead hides behind the kernels as it does in training.
+* GPU, several cases side by side (:func:`interleaved_timed`): the same back-to-back
+  repeats, each case in turn, round after round, so that a drift of the machine's speed
+  touches every case alike.
 * CPU (:func:`interleaved_medians`): the peers run round-robin, one blocking call
   each in turn, so that they share whatever else the machine is doing; median per peer.
 
@@ -59,6 +62,29 @@ def interleaved_medians(steps: dict[str, Callable[[int], Any]], num_inputs: int,
             fn(i % num_inputs)
             times[name].append((time.perf_counter() - start) * 1e3)
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def interleaved_timed(cases: Sequence[tuple[Callable[[Any], Any], Sequence[Any]]], iters: int,
+                      rounds: int, sync: Callable[[Any], Any]) -> tuple[list[float], list[float]]:
+    """Seconds per call of each ``(fn, args)`` case, and the host's seconds per call (until
+    the last call of a repeat returns, before ``sync`` waits for the device).
+
+    Each round runs ``iters`` back-to-back calls ``fn(args[i % len(args)])`` of every case,
+    in an order rotated round by round; the median over the rounds. Warm the cases up
+    first (compiles excluded).
+    """
+    steps, hosts = [[] for _ in cases], [[] for _ in cases]
+    for r in range(rounds):
+        for k in [(r + j) % len(cases) for j in range(len(cases))]:
+            fn, args = cases[k]
+            start = time.perf_counter()
+            for i in range(iters):
+                out = fn(args[i % len(args)])
+            hosts[k].append(time.perf_counter() - start)
+            sync(out)
+            steps[k].append(time.perf_counter() - start)
+    median = lambda xs: [statistics.median(x) / iters for x in xs]
+    return median(steps), median(hosts)
 
 
 def lookup_bytes(batch: int, dims: Sequence[int], ids_per_feature: Sequence[int], *,
