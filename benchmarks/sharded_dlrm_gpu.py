@@ -105,11 +105,14 @@ def equality_plans(n: int) -> dict:
     }, local
 
 
-def equality_batch(seed: int, n: int) -> Batch:
+def equality_batch(seed: int, n: int, one_hot: bool = False) -> Batch:
+    """Bags of 0..3 ids from a table's first 6 rows (duplicates), or with ``one_hot`` of 0..1
+    id from all its rows."""
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(0, 4, size=(len(EQ_KEYS), n * EQ_B))
+    lengths = rng.integers(0, 2 if one_hot else 4, size=(len(EQ_KEYS), n * EQ_B))
     lengths[:, (seed % n) * EQ_B:(seed % n + 1) * EQ_B] = 0  # one device without ids
-    values = np.concatenate([rng.integers(0, min(6, EQ_ROWS[k]), lengths[i].sum())
+    values = np.concatenate([rng.integers(0, EQ_ROWS[k] if one_hot else min(6, EQ_ROWS[k]),
+                                          lengths[i].sum())
                              for i, k in enumerate(EQ_KEYS)])
     weights = rng.uniform(0.5, 2.0, values.shape[0]).astype(np.float32)
     kjt = KeyedJaggedTensor.from_lengths_sync(EQ_KEYS, values, lengths.ravel(), weights=weights)
@@ -131,10 +134,12 @@ def equality(devices) -> list[dict]:
     n = len(devices)
     mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
     plans, local = equality_plans(n)
-    # (plan, optimizer, max_ids_per_bag): bags have up to 3 ids
+    # (plan, optimizer, max_ids_per_bag): bags have up to 3 ids; with the bound 1, one-hot
+    # bags whose row-wise rows come back to the devices that asked (shard_batch(model=))
     cases = ([(kind, "adam", None) for kind in plans if kind != "rows"]
              + [("rows", "rowwise_adagrad", None), ("mixed", "plain", None),
-                ("mixed", "adam", 3), ("rows", "rowwise_adagrad", 3)])
+                ("mixed", "adam", 3), ("rows", "rowwise_adagrad", 3),
+                ("row_wise", "adam", 1), ("rows", "rowwise_adagrad", 1)])
     reference_steps = {}
     results = []
     for kind, opt_name, bound in cases:
@@ -156,14 +161,17 @@ def equality(devices) -> list[dict]:
         step = par.make_train_step(lambda m, b: jnp.sum((m(b.dense, b.sparse) - b.labels) ** 2) / EQ_B)
         forward = par.make_forward(lambda m, kjt: m.sparse_arch(kjt).values())
         errors = {}
-        batch = equality_batch(0, n)
-        pooled = np.asarray(forward(model, par.shard_batch(batch.sparse, mesh))).reshape(n * EQ_B, -1)
+        one_hot = bound == 1
+        sized = model if one_hot else None
+        batch = equality_batch(0, n, one_hot)
+        pooled = np.asarray(forward(model, par.shard_batch(batch.sparse, mesh, model=sized)))
+        pooled = pooled.reshape(n * EQ_B, -1)
         with jax.default_device(devices[0]):
             errors["forward"] = _error(pooled, reference.sparse_arch(batch.sparse).values())
         losses = []
         for i in range(EQ_STEPS):
-            batch = equality_batch(i, n)
-            losses.append((float(step(model, opt, par.shard_batch(batch, mesh))),
+            batch = equality_batch(i, n, one_hot)
+            losses.append((float(step(model, opt, par.shard_batch(batch, mesh, model=sized))),
                            float(ref_step(reference, ref_opt, batch))))
         errors["loss"] = max(_error(a, b) for a, b in losses)
         got = model.sparse_arch.split_embedding_weights()
@@ -172,8 +180,10 @@ def equality(devices) -> list[dict]:
         errors["dense"] = max(_error(a, b) for a, b in zip(jax.tree.leaves(nnx.state(model.head)),
                                                            jax.tree.leaves(nnx.state(reference.head))))
         ok = all(e <= 1.0 for e in errors.values())
+        capacity = model.sparse_arch.row_return_capacity
+        ok = ok and int(model.sparse_arch.dropped_ids.get_value()) == 0
         results.append({"plan": kind, "optimizer": opt_name, "max_ids_per_bag": bound,
-                        "devices": n, "ok": ok,
+                        "row_return_capacity": list(capacity), "devices": n, "ok": ok,
                         "error_over_tolerance": errors})
         print(f"equality {kind:15s} {opt_name:16s} {bound} {'ok' if ok else 'MISMATCH'} {errors}",
               file=sys.stderr, flush=True)
@@ -194,8 +204,10 @@ def bce(model, batch):
 
 
 def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
+    # Hot ids scattered over the rows, as hashing spreads them in real logs (row-wise
+    # shards would otherwise hold all hot rows on the first device).
     log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
-                            max_rows=cfg["max_rows"], seed=0)
+                            max_rows=cfg["max_rows"], scatter_ids=True, seed=0)
     tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=cfg["dim"],
                                  feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
     optimizer = RowWiseAdagrad(learning_rate=0.01)
@@ -218,10 +230,9 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
                 opt = PartitionedOptimizer(model, optax.adam(1e-3))
             step = make_train_step(bce)
             cases.append(({"plan": "unsharded", "devices": 1},
-                          functools.partial(step, model, opt), batches, 1))
+                          functools.partial(step, model, opt), batches, 1, None))
         for n in sizes:
             mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
-            batches = [par.shard_batch(x, mesh) for x in log.batches(n * b, 4)]
             constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
             topology = par.Topology(world_size=n, hbm_cap=_memory_cap(devices[0]), batch_size=b)
             plan = par.EmbeddingShardingPlanner(topology, optimizer=optimizer,
@@ -230,32 +241,43 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
                                                     initial=initial)
             model = par.shard(DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"],
                                    rngs=nnx.Rngs(1)), plan, mesh)
+            # The row return's capacity, sized for these batches as one-hot (the bound 1)
+            ebc.max_ids_per_bag = (1,) * len(ebc.feature_names)
+            batches = [par.shard_batch(x, mesh, model=model) for x in log.batches(n * b, 4)]
+            fitted = ebc.row_return_capacity
             opt = PartitionedOptimizer(model, optax.adam(1e-3))
             step = par.make_train_step(bce)
             estimate = {"step_ms": max(plan.stats.perf) * 1e3, "memory_gb": plan.stats.memory / 1e9,
                         "imbalance": plan.stats.imbalance}
-            for label, _, comm_dtype, bound in variants(cfg["comm_dtypes"], cfg["bounds"], [kind]):
+            for label, _, comm_dtype, bound, rows in variants(cfg["comm_dtypes"], cfg["bounds"],
+                                                               [kind]):
                 # One model per size; the settings are the collection's static attributes
                 # (each setting compiles its own step once).
+                capacity = fitted if rows else (0,) * len(fitted)
+
                 def call(batch, ebc=ebc, model=model, opt=opt, step=step, comm_dtype=comm_dtype,
-                         bound=bound):
+                         bound=bound, capacity=capacity):
                     ebc.comm_dtype = jnp.dtype(comm_dtype)
                     ebc.max_ids_per_bag = (bound or 0,) * len(ebc.feature_names)
+                    ebc.row_return_capacity = capacity
                     return step(model, opt, batch)
                 cases.append(({"plan": label, "devices": n, "global_batch": n * b,
                                "comm_dtype": comm_dtype, "max_ids_per_bag": bound,
-                               "planner_estimate": estimate}, call, batches, n))
-        for run, call, batches, _ in cases:
+                               "row_return_capacity": list(capacity),
+                               "planner_estimate": estimate}, call, batches, n, ebc))
+        for run, call, batches, *_ in cases:
             start = time.perf_counter()
             jax.block_until_ready(call(batches[0]))
             run["compile_s"] = time.perf_counter() - start
             for i in range(3):
                 jax.block_until_ready(call(batches[i % len(batches)]))
-        step_s, host_s = interleaved_timed([(call, batches) for _, call, batches, _ in cases],
+        step_s, host_s = interleaved_timed([(call, batches) for _, call, batches, *_ in cases],
                                            cfg["iters"], cfg["rounds"], jax.block_until_ready)
-        for (run, _, _, n), seconds, host in zip(cases, step_s, host_s):
+        for (run, _, _, n, ebc), seconds, host in zip(cases, step_s, host_s):
             run.update(step_ms=seconds * 1e3, host_ms=host * 1e3, samples_per_s=n * b / seconds,
                        samples_per_s_per_device=b / seconds)
+            if ebc is not None:  # every batch was sized: no id may have been dropped
+                run["dropped_ids"] = int(ebc.dropped_ids.get_value())
             runs.append(run)
             print(run, file=sys.stderr, flush=True)
         del cases, call, model, opt, ebc, batches
@@ -273,11 +295,21 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
 
 def variants(comm_dtypes: list[str], bounds: list[int | None],
              kinds=("table_wise", "row_wise")):
-    """(label, sharding type, comm dtype, max_ids_per_bag): float32 comms and no bound are
-    the plain label."""
-    return [(kind + ("" if dtype == "float32" else f"+{dtype}_comms")
-             + ("" if bound is None else f"+max_ids_{bound}"), kind, dtype, bound)
-            for bound in bounds for dtype in comm_dtypes for kind in kinds]
+    """(label, sharding type, comm dtype, max_ids_per_bag, row return): float32 comms and no
+    bound are the plain label. Row-wise with a bound sends the looked-up rows back (what
+    batches from ``shard_batch(model=)`` get); ``+partial_sums`` is the same setting with
+    the reduce-scatter of partial sums instead, side by side."""
+    out = []
+    for bound in bounds:
+        for dtype in comm_dtypes:
+            for kind in kinds:
+                label = (kind + ("" if dtype == "float32" else f"+{dtype}_comms")
+                         + ("" if bound is None else f"+max_ids_{bound}"))
+                rows = kind == "row_wise" and bound is not None
+                out.append((label, kind, dtype, bound, rows))
+                if rows:
+                    out.append((label + "+partial_sums", kind, dtype, bound, False))
+    return out
 
 
 def _memory_cap(device) -> int:

@@ -72,23 +72,25 @@ def plan(kind: str, n: int = N):
 
 
 def random_kjt(rng, *, weighted: bool, n: int = N, empty_device: int | None = None,
-               max_id: int = 6) -> KeyedJaggedTensor:
-    """A global KJT of ``n * B`` samples; device ``empty_device``'s samples have no ids."""
-    lengths = rng.integers(0, 4, size=(len(KEYS), n * B))
+               max_id: int = 6, one_hot: bool = False) -> KeyedJaggedTensor:
+    """A global KJT of ``n * B`` samples; device ``empty_device``'s samples have no ids.
+    ``one_hot``: bags of 0 or 1 id, from all of each table's rows (not the first ``max_id``)."""
+    lengths = rng.integers(0, 2 if one_hot else 4, size=(len(KEYS), n * B))
     lengths[:, rng.integers(0, n * B)] = 0
     if empty_device is not None:
         lengths[:, empty_device * B:(empty_device + 1) * B] = 0
-    values = np.concatenate([rng.integers(0, min(max_id, ROWS[k]), lengths[i].sum())
+    values = np.concatenate([rng.integers(0, ROWS[k] if one_hot else min(max_id, ROWS[k]),
+                                          lengths[i].sum())
                              for i, k in enumerate(KEYS)])
     weights = rng.uniform(0.5, 2.0, values.shape[0]).astype(np.float32) if weighted else None
     return KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths.ravel(), weights=weights)
 
 
 def random_batch(seed: int, *, weighted: bool, n: int = N, empty_device: int | None = None,
-                 padded_rows: int = 0) -> Batch:
+                 padded_rows: int = 0, one_hot: bool = False) -> Batch:
     """A global batch; the last ``padded_rows`` samples are padding (mask 0, no ids)."""
     rng = np.random.default_rng(seed)
-    kjt = random_kjt(rng, weighted=weighted, n=n, empty_device=empty_device)
+    kjt = random_kjt(rng, weighted=weighted, n=n, empty_device=empty_device, one_hot=one_hot)
     if padded_rows:
         lengths = np.asarray(kjt.lengths()).reshape(len(KEYS), n * B)
         keep = np.ones_like(lengths, bool)

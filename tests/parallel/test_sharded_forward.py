@@ -77,6 +77,53 @@ def test_every_sharding_type_equals_the_unsharded_module(kind, weighted, bound):
         np.testing.assert_array_equal(out.values(), 0.0)
 
 
+@pytest.mark.parametrize("kind, weighted", [("row_wise", True), ("mixed", False)])
+def test_row_wise_rows_sent_back_equal_the_unsharded_module(kind, weighted):
+    """One-hot features, sized by shard_batch(model=): the row-wise groups send each
+    looked-up row to the device that asked for it, which pools its bags (weights, MEAN)."""
+    sharded = par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0),
+                                                max_ids_per_bag=1)
+    kjt = random_kjt(np.random.default_rng(4), weighted=weighted, empty_device=6, one_hot=True)
+    out = pooled(sharded, par.shard_batch(kjt, mesh(), model=sharded))
+    reduce = [(k, g.num_slots) for k, g in zip(sharded.row_return_capacity, sharded.layout.groups)
+              if g.kind == "reduce"]
+    assert reduce and all(0 < k < B * slots for k, slots in reduce)  # the rows path is on
+    np.testing.assert_allclose(np.asarray(out.values()).reshape(N * B, -1),
+                               unsharded()(kjt).values(), rtol=RTOL, atol=ATOL)
+
+
+def test_a_batch_past_the_row_return_capacity_is_refused_or_counted():
+    """A batch that did not pass through shard_batch(model=) may send one owner more ids
+    than the capacity holds: FATAL raises on every device; WARNING drops them and counts
+    them in dropped_ids (never silently)."""
+    kjt = random_kjt(np.random.default_rng(5), weighted=False, one_hot=True)
+    skewed = KeyedJaggedTensor.from_lengths_sync(KEYS, np.zeros_like(np.asarray(kjt.values())),
+                                                 kjt.lengths())  # every id on device 0
+    for mode in ("FATAL", "WARNING"):
+        sharded = par.ShardedEmbeddingBagCollection(
+            TABLES, plan("row_wise"), mesh(), rngs=nnx.Rngs(0), max_ids_per_bag=1,
+            bounds_check_mode=mode, optimizer=SGD(learning_rate=0.1))
+        batch = par.shard_batch(kjt, mesh(), model=sharded)  # sized for the uniform batch
+        step = par.make_train_step(lambda m, k: jnp.sum(m(k).values() ** 2))
+        opt = PartitionedOptimizer(sharded, optax.sgd(0.0))
+        step(sharded, opt, batch)
+        assert int(sharded.dropped_ids.get_value()) == 0
+        skewed_batch = par.shard_batch(skewed, mesh())
+        if mode == "FATAL":
+            with pytest.raises(Exception, match="more row-wise ids of one device's batch than the "
+                                                "row return capacity"):
+                jax.block_until_ready(step(sharded, opt, skewed_batch))
+            forget_failed_callbacks()
+        else:
+            step(sharded, opt, skewed_batch)
+            lengths = np.asarray(skewed.lengths()).reshape(len(KEYS), N, B).sum(2)
+            expected = 0
+            for group, capacity in zip(sharded.layout.groups, sharded.row_return_capacity):
+                read = [KEYS.index(sharded.feature_names[f]) for f in group.slot_feature[0]]
+                expected += np.maximum(lengths[read].sum(0) - capacity, 0).sum()
+            assert int(sharded.dropped_ids.get_value()) == expected > 0
+
+
 @pytest.mark.parametrize("kind", ["mixed", "row_wise"])
 def test_bfloat16_comms_round_the_pooled_values_only(kind):
     """comm_dtype=bfloat16 (TorchRec's quantized comms): the outputs are the float32-comms

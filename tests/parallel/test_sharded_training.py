@@ -11,7 +11,9 @@ parameters agree:
   has no id at all and padding rows (uneven batches), and ``max_ids_per_bag`` (the ids read
   from per-feature windows);
 * plain tables (nnx.Param) trained by optax: their dense gradients, shard by shard, and
-  the data-parallel table's summed over devices.
+  the data-parallel table's summed over devices;
+* row-wise tables of one-hot features, fused Adam and plain, whose rows come back to the
+  devices that asked (``shard_batch(..., model=)`` sizes the row return).
 
 The tables' buffers are donated: each step updates them where they are, on the mesh.
 """
@@ -26,11 +28,12 @@ from flax import nnx
 from parallel_testing import B, N, build, mesh, plan, random_batch, squared_error
 
 import jaxrec.parallel as par
-from jaxrec.nn import PartitionedOptimizer, make_train_step
+from jaxrec.nn import FusedTables, PartitionedOptimizer, make_train_step
 from jaxrec.optim import Adam, RowWiseAdagrad
 from jaxrec.parallel._sharded_ebc import portable_from_collection
 
 STEPS = 3
+TABLE_STATE = (nnx.Param, FusedTables)  # the donated tables (not the dropped-ids count)
 # float32 training over a few steps: the sums run in another order (per shard, then across
 # devices), so results agree to a few ulps of the tables' values, not bit for bit.
 RTOL, ATOL = 2e-5, 1e-6
@@ -41,6 +44,10 @@ CASES = {
         RowWiseAdagrad(learning_rate=0.1), "rows",
         {"weighted": False, "empty_device": 3, "padded_rows": 4}, 3),
     "plain_optax_every_type": (None, "mixed", {"weighted": True}, None),
+    # one-hot bags: the row-wise groups send looked-up rows back (shard_batch(model=))
+    "fused_adam_row_return": (Adam(learning_rate=0.05), "row_wise",
+                              {"weighted": True, "empty_device": 5, "one_hot": True}, 1),
+    "plain_optax_row_return": (None, "row_wise", {"weighted": True, "one_hot": True}, 1),
 }
 
 
@@ -57,10 +64,16 @@ def test_sharded_training_equals_unsharded_training(case):
     step = par.make_train_step(lambda m, b: squared_error(m, b, B))  # mean of the device means
     for i in range(STEPS):
         batch = random_batch(i, **batch_args)
-        before = jax.tree.leaves(nnx.state(model.sparse_arch))
-        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh())),
+        before = jax.tree.leaves(nnx.state(model.sparse_arch, TABLE_STATE))
+        sized = model if batch_args.get("one_hot") else None
+        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh(), model=sized)),
                                    ref_step(reference, ref_opt, batch), rtol=RTOL)
-        after = jax.tree.leaves(nnx.state(model.sparse_arch))
+        if sized is not None:  # the row return is on, and every id fitted
+            ebc = model.sparse_arch
+            assert all(0 < k < B * g.num_slots
+                       for k, g in zip(ebc.row_return_capacity, ebc.layout.groups))
+            assert int(ebc.dropped_ids.get_value()) == 0
+        after = jax.tree.leaves(nnx.state(model.sparse_arch, TABLE_STATE))
         for old, new in zip(before, after):  # donated: updated in the buffers given, in place
             assert old.is_deleted() and new.sharding == old.sharding
 

@@ -20,6 +20,7 @@ Output distribution (after each group's lookup of ``[N * B, S * D]``)::
 
     a2a groups     all_to_all over the batch  -> [N(source), B, width]  (from every device)
     reduce groups  psum_scatter over the batch -> [B, width]            (partial sums added)
+                   or already pooled from the rows sent back (``_row_return``)
     dp groups      the local [B, width]
     output column c = sum over k of [received | reduced | dp | 0][:, contributors[k][c]]
 
@@ -123,56 +124,89 @@ def group_input(ids: Ids, slots: dict[str, jax.Array], mean_feature: np.ndarray,
     return out_values, group_offsets, psw
 
 
-def window_input(ids: Ids, slots: dict[str, jax.Array], mean_feature: np.ndarray, window: int,
-                 *, weighted: bool, need_weights: bool):
-    """``group_input`` over windows: the same ``(values, offsets, per_sample_weights)``, from
-    only the ids of this device's slots' features (``max_ids_per_bag``).
+class Windows(NamedTuple):
+    """Each source's ids of the features of ``S`` slots, read from fixed windows
+    (``feature_windows``); ``[S, sources, ...]`` each."""
 
-    Each source's ids of one feature are contiguous in its KJT and, when no bag is longer
-    than the hint, fit ``window = B * max_ids_per_bag`` positions. Gathering those windows
-    per (slot, source) gives ``[S, sources, window]`` ids already in the group's bag order
-    (slot, source, sample), so the compaction is one running count. Capacity
-    ``S * sources * window`` instead of ``sources * C``: a table-wise device reads the
-    ids of its own features only.
-    """
-    values, lengths, weights = ids
-    sources, cap = values.shape
-    batch = lengths.shape[2]
+    ids: jax.Array         # [S, sources, W] the window's ids (garbage where not inside)
+    inside: jax.Array      # [S, sources, W] True for the feature's real ids
+    position: jax.Array    # [S, sources, W] their positions in the source's KJT
+    bag_length: jax.Array  # [S, sources, B]
+    bag_start: jax.Array   # [S, sources, B + 1] within the window
+
+
+def feature_windows(ids: Ids, feature: jax.Array, window: int) -> Windows:
+    """The ids of feature ``feature[s]`` (-1: none) of every source, ``window`` positions
+    from where that feature starts in the source's KJT (``max_ids_per_bag``: a source's
+    ids of one feature are contiguous and fit ``B * max_ids_per_bag`` positions)."""
+    values, lengths, _ = ids
+    cap = values.shape[1]
     dtype = values.dtype
-    feature = slots["slot_feature"]                                        # [S]
-    num_slots = feature.shape[0]
     real = feature >= 0
     f = jnp.maximum(feature, 0)
     lengths = lengths.astype(dtype)
     feature_start = _exclusive_cumsum(lengths.sum(-1))[:, :-1]            # [sources, F]
     bag_length = jnp.where(real[:, None, None], lengths[:, f, :].transpose(1, 0, 2), 0)
     bag_start = _exclusive_cumsum(bag_length)                              # [S, sources, B+1]
-    position = jnp.arange(window, dtype=dtype)
-    inside = position < bag_start[..., -1:]                                # [S, sources, W]
-    raw = jnp.clip(feature_start.T[f][..., None] + position, 0, cap - 1)
-    source = jnp.arange(sources)[None, :, None]
-    window_ids = values[source, raw]
+    inside = jnp.arange(window, dtype=dtype) < bag_start[..., -1:]         # [S, sources, W]
+    position = jnp.clip(feature_start.T[f][..., None] + jnp.arange(window, dtype=dtype), 0, cap - 1)
+    source = jnp.arange(values.shape[0])[None, :, None]
+    return Windows(values[source, position], inside, position, bag_length, bag_start)
+
+
+def window_samples(windows: Windows) -> jax.Array:
+    """``[S, sources, W]``: the sample (bag) of each window position (B past the last)."""
+    num_slots, sources, batch = windows.bag_length.shape
+    flat = windows.bag_start.reshape(num_slots * sources, batch + 1)
+    sample = jax.vmap(bag_of_position, in_axes=(0, None))(flat, windows.ids.shape[-1])
+    return sample.reshape(windows.ids.shape)
+
+
+def window_weights(ids: Ids, windows: Windows, feature: jax.Array, mean_feature: np.ndarray, *,
+                   weighted: bool) -> jax.Array:
+    """``[S, sources, W]`` float32 per-sample weights of the window positions: the KJT's
+    weights (or 1), divided by the bag's length for MEAN features."""
+    if weighted:
+        source = jnp.arange(ids.values.shape[0])[None, :, None]
+        w = ids.weights[source, windows.position].astype(jnp.float32)
+    else:
+        w = jnp.ones(windows.ids.shape, jnp.float32)
+    if not mean_feature.any():
+        return w
+    batch = windows.bag_length.shape[-1]
+    sample = jnp.clip(window_samples(windows), 0, batch - 1)
+    length = jnp.take_along_axis(windows.bag_length, sample, axis=2)
+    mean = jnp.asarray(mean_feature)[jnp.maximum(feature, 0)][:, None, None]
+    return jnp.where(mean, w / jnp.maximum(length, 1).astype(jnp.float32), w)
+
+
+def window_input(ids: Ids, slots: dict[str, jax.Array], mean_feature: np.ndarray, window: int,
+                 *, weighted: bool, need_weights: bool):
+    """``group_input`` over windows: the same ``(values, offsets, per_sample_weights)``, from
+    only the ids of this device's slots' features (``max_ids_per_bag``).
+
+    Gathering each (slot, source)'s window (``feature_windows``) gives ``[S, sources, W]``
+    ids already in the group's bag order (slot, source, sample), so the compaction is one
+    running count. Capacity ``S * sources * W`` instead of ``sources * C``: a table-wise
+    device reads the ids of its own features only.
+    """
+    dtype = ids.values.dtype
+    feature = slots["slot_feature"]                                        # [S]
+    windows = feature_windows(ids, feature, window)
+    num_slots, sources = windows.bag_length.shape[:2]
     lo, hi, offset = (slots[k].astype(dtype)[:, None, None] for k in ("lo", "hi", "offset"))
-    keep = (inside & (window_ids >= lo) & (window_ids < hi)).ravel()
+    keep = (windows.inside & (windows.ids >= lo) & (windows.ids < hi)).ravel()
     kept_before = _exclusive_cumsum(keep.astype(dtype))                    # [S*sources*W + 1]
     window_start = (jnp.arange(num_slots * sources, dtype=dtype) * window).reshape(num_slots, sources, 1)
-    starts = (window_start + jnp.minimum(bag_start[..., :-1], window)).ravel()  # NONE: cut
+    starts = (window_start + jnp.minimum(windows.bag_start[..., :-1], window)).ravel()  # NONE: cut
     offsets = jnp.concatenate([kept_before[starts], kept_before[-1:]])
     size = num_slots * sources * window
     dest = jnp.where(keep, kept_before[:-1], size)
-    out_values = jnp.zeros((size,), dtype).at[dest].set((window_ids - lo + offset).ravel(), mode="drop")
-
+    out_values = jnp.zeros((size,), dtype).at[dest].set((windows.ids - lo + offset).ravel(),
+                                                         mode="drop")
     psw = None
     if need_weights:
-        w = weights[source, raw] if weighted else jnp.ones(raw.shape, jnp.float32)
-        w = w.astype(jnp.float32)
-        if mean_feature.any():
-            flat = bag_start.reshape(num_slots * sources, batch + 1)
-            sample = jax.vmap(bag_of_position, in_axes=(0, None))(flat, window)
-            length = jnp.take_along_axis(bag_length.reshape(num_slots * sources, batch),
-                                         jnp.clip(sample, 0, batch - 1), axis=1)
-            mean = jnp.asarray(mean_feature)[f][:, None, None]
-            w = jnp.where(mean, w / jnp.maximum(length.reshape(w.shape), 1).astype(jnp.float32), w)
+        w = window_weights(ids, windows, feature, mean_feature, weighted=weighted)
         psw = jnp.zeros((size,), jnp.float32).at[dest].set(w.ravel(), mode="drop")
     return out_values, offsets, psw
 
@@ -257,10 +291,14 @@ def assemble(layout: ShardedLayout, outputs: dict[str, list[jax.Array]], axis: s
         received = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)         # [N(source)*B, W]
         received = received.astype(jnp.float32)
         parts.append(received.reshape(n, batch, width).transpose(1, 0, 2).reshape(batch, -1))
-    if outputs[REDUCE]:
-        partial = jnp.concatenate(outputs[REDUCE], axis=1).astype(comm_dtype)  # [N*B, W]
+    partials = [x for x, pooled in outputs[REDUCE] if not pooled]
+    if partials:
+        partial = jnp.concatenate(partials, axis=1).astype(comm_dtype)     # [N*B, W]
         reduced = jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
-        parts.append(reduced.astype(jnp.float32))
+        reduced = jnp.split(reduced.astype(jnp.float32),
+                            np.cumsum([x.shape[1] for x in partials])[:-1], axis=1)
+    for x, pooled in outputs[REDUCE]:  # in group order; pooled: from _row_return
+        parts.append(x if pooled else reduced.pop(0))
     if outputs[DP]:
         parts.append(jnp.concatenate(outputs[DP], axis=1))
     parts.append(jnp.zeros((batch, 1), jnp.float32))

@@ -39,7 +39,7 @@ from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
 from jaxrec.ops.bounds_check import as_bounds_check_mode
 from jaxrec.optim import SGD, Adagrad, Adam, FusedEmbeddingTables, OptimizerConfig
 from jaxrec.optim._state import buffer_fields
-from jaxrec.parallel import _dist
+from jaxrec.parallel import _dist, _row_return
 from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout, table_specs
 from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
 from jaxrec.parallel._types import ShardingPlan, ShardingType
@@ -48,6 +48,11 @@ from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 _COMM_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16))
 _COLUMN_SEPARABLE = (SGD, Adagrad, Adam)
 """Optimizers whose update of a row's column does not read the row's other columns."""
+
+
+class DroppedIds(nnx.Variable):
+    """Row-wise ids that did not fit the row return's capacity, summed over steps and
+    devices (0 when every batch came through ``shard_batch(..., model=)``)."""
 
 
 class ShardedEmbeddingBagCollection(nnx.Module):
@@ -73,14 +78,19 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         of one bag (1 for one-hot features). A group whose features all have a bound reads,
         per source device, only the ids of its own features (``B * max_ids_per_bag`` each)
         instead of every gathered id: its index work and the fused backward's sort shrink
-        from ``N * C`` to about the share of its features. A longer bag is an error under
+        from ``N * C`` to about the share of its features. A row-wise group whose features
+        all have a bound sends the looked-up rows back instead of partial sums once its
+        batches are sized (``fit_row_return``). A longer bag is an error under
         ``bounds_check_mode=FATAL``, cut to its first ``max_ids_per_bag`` ids under
         WARNING and IGNORE (the correction), and undefined under NONE.
       bounds_check_mode, backend, name: as for ``EmbeddingBagCollection``.
 
-    ``comm_dtype`` and ``max_ids_per_bag`` (a tuple per feature in ``feature_names`` order,
-    0 for none) stay attributes of the module: static, so setting them between steps
-    compiles a new step (the benchmark compares settings on one model this way).
+    ``comm_dtype``, ``max_ids_per_bag`` (a tuple per feature in ``feature_names`` order,
+    0 for none) and ``row_return_capacity`` (per group: 0, or the row return's K) stay
+    attributes of the module: static, so setting them between steps compiles a new step
+    (the benchmark compares settings on one model this way). ``dropped_ids`` counts the
+    row-wise ids that a batch not sized by ``fit_row_return`` had past the capacity
+    (WARNING, IGNORE, NONE; FATAL raises).
     """
 
     def __init__(self, tables: Sequence[EmbeddingBagConfig], plan: ShardingPlan,
@@ -133,6 +143,8 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         self.backend = backend
         self.name = name
         self.feature_names = self.layout.features
+        self.row_return_capacity = (0,) * len(self.layout.groups)  # fit_row_return sizes it
+        self.dropped_ids = DroppedIds(jnp.zeros((), jnp.int32))
         if initial is None:
             initial = {t.name: {"weights": t.init(rngs.params())} for t in tables}  # config order
         self.tables = nnx.List(self._variables(initial))
@@ -210,6 +222,13 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             bounds = np.asarray(self.max_ids_per_bag)[here]
             need = {"weighted": weights is not None,
                     "need_weights": weights is not None or bool((mean & here).any())}
+            capacity = self.row_return_capacity[i]
+            if 0 < capacity < batch * group.num_slots and bounds.min() > 0:
+                window = batch * int(bounds.max())
+                out = self._row_return(i, row, arrays, everyone, local, window, capacity,
+                                       mean & here, weights is not None)
+                outputs[REDUCE].append((out, True))
+                continue
             if here.any() and bounds.min() > 0:  # every feature of the group is bounded
                 group_values, offsets, psw = _dist.window_input(
                     ids, row, mean & here, batch * int(bounds.max()), **need)
@@ -222,10 +241,49 @@ class ShardedEmbeddingBagCollection(nnx.Module):
                                fused=self.fused, backend=self.backend)
             if repeated:
                 out = _dist.own_rows(out, self.axis_name, batch)
-            outputs[group.kind].append(out)
+            outputs[group.kind].append((out, False) if group.kind == REDUCE else out)
         pooled = _dist.assemble(layout, outputs, self.axis_name, batch, self.comm_dtype)
         dims = [layout.tables[t].dim for t in layout.feature_table]
         return KeyedTensor(list(layout.features), dims, pooled)
+
+    def _row_return(self, i, slots, arrays, everyone, local, window, capacity, mean, weighted):
+        """Row-wise group ``i`` pooled from its looked-up rows (``_row_return``)."""
+        group = self.layout.groups[i]
+        theirs = _dist.feature_windows(everyone, slots["slot_feature"], window)
+        values, offsets, dropped = _row_return.owner_input(theirs, slots, capacity)
+        looked_up = _dist.lookup(self.tables[i].get_value(), group, values, offsets, None,
+                                 fused=self.fused, backend=self.backend)
+        received = _row_return.send_rows(looked_up, group.layout.dims[0], self.axis_name,
+                                         self.comm_dtype)
+        mine = _dist.feature_windows(local, slots["slot_feature"], window)
+        weights = _dist.window_weights(local, mine, slots["slot_feature"], mean, weighted=weighted)
+        if as_bounds_check_mode(self.bounds_check_mode) == BoundsCheckMode.FATAL:
+            self._raise_everywhere(functools.partial(_overflow_message, capacity),
+                                   jnp.stack([(dropped > 0).astype(jnp.int32), dropped.astype(jnp.int32)]))
+        self.dropped_ids.set_value(self.dropped_ids.get_value()
+                                   + jax.lax.psum(dropped.astype(jnp.int32), self.axis_name))
+        return _row_return.pool_received(received, mine, weights, arrays["lo"], arrays["hi"])
+
+    def fit_row_return(self, kjts: Sequence[KeyedJaggedTensor]) -> None:
+        """Sizes the row-wise groups' row return for these per-device host KJTs, one per
+        device (``shard_batch(..., model=)`` calls it): afterwards every row-wise group
+        whose features all have a ``max_ids_per_bag`` sends back looked-up rows instead of
+        reduce-scattering partial sums, whenever that sends fewer bytes (``_row_return``).
+
+        The capacity only grows (a batch fitted earlier still fits), by steps of at most
+        1/8, so that batches of one distribution compile one step."""
+        if len(kjts) != self.layout.world_size:
+            raise ValueError(f"fit_row_return needs one KJT per device: got {len(kjts)} for "
+                             f"{self.layout.world_size} devices")
+        bounds = np.asarray(self.max_ids_per_bag)
+        rows = [self.layout.tables[t].rows for t in self.layout.feature_table]
+        ids = [_ids_by_feature(kjt, self.layout.features) for kjt in kjts]
+        capacity = list(self.row_return_capacity)
+        for i, group in enumerate(self.layout.groups):
+            features = [f for f in group.slot_feature[0] if f >= 0]
+            if group.kind == REDUCE and features and bounds[features].min() > 0:
+                capacity[i] = max(capacity[i], _row_return.fit_capacity(group, rows, ids))
+        self.row_return_capacity = tuple(capacity)
 
     def _prepare(self, features: KeyedJaggedTensor):
         """This device's ids of the collection's features, in its order, bounds-checked."""
@@ -346,6 +404,25 @@ def _max_ids(bound, features: Sequence[str]) -> tuple[int, ...]:
         raise ValueError(f"max_ids_per_bag must be positive ints (the most ids of one bag), got "
                          f"{bad}; leave a feature out to give it no bound")
     return tuple(int(given.get(f, 0)) for f in features)
+
+
+def _ids_by_feature(kjt: KeyedJaggedTensor, features: Sequence[str]) -> list[np.ndarray]:
+    """A host KJT's ids of each of ``features`` (NumPy)."""
+    keys = list(kjt.keys())
+    missing = [f for f in features if f not in keys]
+    if missing:
+        raise ValueError(f"the KeyedJaggedTensor lacks the features {missing}; its keys are {keys}")
+    values = np.asarray(kjt.values())
+    per_key = np.asarray(kjt.lengths()).reshape(len(keys), -1).sum(1)
+    start = np.concatenate([[0], np.cumsum(per_key)])
+    return [values[start[keys.index(f)]:start[keys.index(f) + 1]] for f in features]
+
+
+def _overflow_message(capacity, device, _, dropped) -> str:
+    return (f"device {device} owns more row-wise ids of one device's batch than the row return "
+            f"capacity {capacity} holds ({dropped} past it): the batch did not pass through "
+            "jaxrec.parallel.shard_batch(..., model=model) (or "
+            "ShardedEmbeddingBagCollection.fit_row_return), which sizes the capacity")
 
 
 def _bad_ids_message(device, count) -> str:

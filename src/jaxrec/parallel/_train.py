@@ -102,7 +102,9 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
             batch = jax.tree.map(lambda x: x[0], batch)
 
             def pure_loss(params, tables, rest, *batch):
-                model = nnx.merge(graphdef, params, tables, rest)
+                # New Variables, of this trace: the model may count into its state
+                # (ShardedEmbeddingBagCollection.dropped_ids).
+                model = nnx.merge(graphdef, params, tables, rest, copy=True)
                 out = loss_fn(model, *batch)
                 loss, aux = out if has_aux else (out, None)
                 return loss / n, (loss, aux, split_for_training(model)[3])
@@ -177,14 +179,17 @@ def make_forward(fn):
 # --- batches -----------------------------------------------------------------------------
 
 def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
-                capacity: int | None = None, per_device: bool = False):
+                capacity: int | None = None, per_device: bool = False,
+                model: nnx.Module | None = None):
     """The device-stacked batch of ``make_train_step`` (module doc), placed on ``mesh``.
 
     ``batch``: a global batch (any pytree: arrays with a leading batch axis of N * B rows,
     KeyedJaggedTensors of stride N * B; device d gets rows ``d*B:(d+1)*B``), or with
     ``per_device=True`` a list of N batches, one per device. ``capacity``: the static
     capacity of every device's KJT; default: the largest device's number of ids, bucketed
-    (``capacity_bucket``), so that recompiles stay rare.
+    (``capacity_bucket``), so that recompiles stay rare. ``model``: its sharded collections
+    size their row-wise row return from this batch's KJTs (``fit_row_return``; the
+    row-wise groups of bounded features then send rows, not partial sums).
     """
     mesh = auto_mesh(mesh)
     axis_name = mesh.axis_names[0] if axis_name is None else axis_name
@@ -198,6 +203,8 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
         parts = [_slice(batch, d, n) for d in range(n)]
     is_kjt = lambda x: isinstance(x, KeyedJaggedTensor)
     kjts = [[x for x in jax.tree.leaves(p, is_leaf=is_kjt) if is_kjt(x)] for p in parts]
+    if model is not None:
+        _fit_row_return(model, kjts)
     caps = []
     for j in range(len(kjts[0])):
         need = max(int(np.asarray(k[j].lengths()).sum()) for k in kjts)
@@ -215,6 +222,20 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
     sharding = NamedSharding(mesh, P(axis_name))
     return jax.tree.map(lambda *xs: jax.device_put(np.stack([np.asarray(x) for x in xs]), sharding),
                         *stacked)
+
+
+def _fit_row_return(model: nnx.Module, kjts: list[list[KeyedJaggedTensor]]) -> None:
+    """Sizes the row return of ``model``'s sharded collections from every KJT of the batch
+    that holds their features (``kjts[device][leaf]``)."""
+    collections = [m for _, m in nnx.iter_modules(model)
+                   if isinstance(m, ShardedEmbeddingBagCollection)]
+    if not collections:
+        raise ValueError("shard_batch(model=) needs a model with ShardedEmbeddingBagCollections "
+                         "(jaxrec.parallel.shard)")
+    for ebc in collections:
+        for j in range(len(kjts[0])):
+            if set(ebc.feature_names) <= set(kjts[0][j].keys()):
+                ebc.fit_row_return([k[j] for k in kjts])
 
 
 def _slice(tree, d: int, n: int):
