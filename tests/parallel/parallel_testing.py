@@ -72,14 +72,17 @@ def plan(kind: str, n: int = N):
 
 
 def random_kjt(rng, *, weighted: bool, n: int = N, empty_device: int | None = None,
-               max_id: int = 6, one_hot: bool = False) -> KeyedJaggedTensor:
+               max_id: int = 6, one_hot: bool = False, spread: bool = False
+               ) -> KeyedJaggedTensor:
     """A global KJT of ``n * B`` samples; device ``empty_device``'s samples have no ids.
-    ``one_hot``: bags of 0 or 1 id, from all of each table's rows (not the first ``max_id``)."""
+    ``spread``: ids from all of each table's rows (not the first ``max_id``); ``one_hot``:
+    spread, in bags of 0 or 1 id."""
+    spread = spread or one_hot
     lengths = rng.integers(0, 2 if one_hot else 4, size=(len(KEYS), n * B))
     lengths[:, rng.integers(0, n * B)] = 0
     if empty_device is not None:
         lengths[:, empty_device * B:(empty_device + 1) * B] = 0
-    values = np.concatenate([rng.integers(0, ROWS[k] if one_hot else min(max_id, ROWS[k]),
+    values = np.concatenate([rng.integers(0, ROWS[k] if spread else min(max_id, ROWS[k]),
                                           lengths[i].sum())
                              for i, k in enumerate(KEYS)])
     weights = rng.uniform(0.5, 2.0, values.shape[0]).astype(np.float32) if weighted else None

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.parallel._dist import Windows, _exclusive_cumsum, window_samples
+from jaxrec.parallel._dist import Windows, _exclusive_cumsum
 from jaxrec.parallel._layout import Group
 
 
@@ -74,18 +74,18 @@ def send_rows(looked_up: jax.Array, dim: int, axis: str, comm_dtype) -> jax.Arra
 
 
 def pool_received(received: jax.Array, mine: Windows, weights: jax.Array,
-                  lo: np.ndarray, hi: np.ndarray) -> jax.Array:
+                  lo: np.ndarray, hi: np.ndarray, max_ids: int) -> jax.Array:
     """``[B, S * D]``: this device's bags pooled from the rows its owners sent back.
 
     ``mine``: this device's own windows (one source); ``weights [S, 1, W]`` their per-sample
     weights; ``lo, hi [N, S]``: every device's row range per slot (the group's static slot
-    arrays). An id's rank among this device's ids owned by the same device, in (slot,
-    position) order, is where that owner put its row (``owner_input``).
+    arrays); ``max_ids``: the most ids of a bag. An id's rank among this device's ids owned
+    by the same device, in (slot, position) order, is where that owner put its row
+    (``owner_input``).
     """
     sources, capacity, dim = received.shape
     ids, inside = mine.ids[:, 0], mine.inside[:, 0]                        # [S, W]
     num_slots, window = ids.shape
-    batch = mine.bag_length.shape[-1]
     dtype = ids.dtype
     lo, hi = (jnp.asarray(x.astype(dtype))[:, :, None] for x in (lo, hi))
     owned = (inside[None] & (ids[None] >= lo) & (ids[None] < hi)).reshape(sources, -1)
@@ -93,12 +93,51 @@ def pool_received(received: jax.Array, mine: Windows, weights: jax.Array,
     owner = jnp.argmax(owned, axis=0)
     rank = jnp.take_along_axis(jnp.cumsum(owned, axis=1, dtype=dtype) - owned, owner[None], 0)[0]
     fits = (owned.max(0) > 0) & (rank < capacity)
-    rows = received[owner, jnp.minimum(rank, capacity - 1)]               # [S*W, D]
-    w = jnp.where(fits, weights.reshape(-1), 0.0)
-    sample = jnp.clip(window_samples(mine)[:, 0], 0, batch - 1)
-    segment = (jnp.arange(num_slots, dtype=dtype)[:, None] * batch + sample).ravel()
-    pooled = jax.ops.segment_sum(rows * w[:, None], segment, num_segments=num_slots * batch)
-    return pooled.reshape(num_slots, batch, dim).transpose(1, 0, 2).reshape(batch, -1)
+    none = sources * capacity
+    row = jnp.where(fits, owner.astype(dtype) * capacity + rank, none).reshape(num_slots, window)
+
+    # Bag (b, s)'s l-th id sits at window position bag_start[s, b] + l.
+    start = mine.bag_start[:, 0, :-1]                                      # [S, B]
+    length = mine.bag_length[:, 0]
+    slot = jnp.arange(num_slots)[:, None, None]
+    position = jnp.minimum(start[..., None] + jnp.arange(max_ids, dtype=dtype), window - 1)
+    present = jnp.arange(max_ids, dtype=dtype) < length[..., None]         # [S, B, L]
+    index = jnp.where(present, row[slot, position], none).transpose(1, 0, 2)
+    w = jnp.where(present, weights[:, 0][slot, position], 0.0).transpose(1, 0, 2)
+    # The requester of each received row: flat (b, s, l), or -1 (a slot no id asked for).
+    inverse = jnp.full((none,), -1, dtype).at[index.ravel()].set(
+        jnp.arange(index.size, dtype=dtype), mode="drop")
+    return gather_pool(received.reshape(none, dim), index, inverse, w)
+
+
+@jax.custom_vjp
+def gather_pool(rows, index, inverse, weights):
+    """``[B, S * D]``: ``sum_l weights[b, s, l] * rows[index[b, s, l]]`` (index past the end:
+    nothing). Each row feeds at most one (b, s, l), ``inverse[row]`` (-1: none), so the
+    backward is a gather too, not a scatter-add."""
+    batch, num_slots, _ = index.shape
+    picked = jnp.take(rows, index, axis=0, mode="fill", fill_value=0)      # [B, S, L, D]
+    return jnp.sum(picked * weights[..., None], axis=2).reshape(batch, -1)
+
+
+def _gather_pool_fwd(rows, index, inverse, weights):
+    return gather_pool(rows, index, inverse, weights), (rows, index, inverse, weights)
+
+
+def _gather_pool_bwd(residuals, ct):
+    rows, index, inverse, weights = residuals
+    batch, num_slots, max_ids = index.shape
+    ct = ct.reshape(batch * num_slots, -1)
+    valid = inverse >= 0
+    requester = jnp.maximum(inverse, 0)
+    scale = jnp.where(valid, weights.reshape(-1)[requester], 0.0)
+    ct_rows = jnp.take(ct, requester // max_ids, axis=0) * scale[:, None]
+    picked = jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
+    ct_weights = jnp.sum(picked * ct.reshape(batch, num_slots, 1, -1), axis=-1)
+    return ct_rows, None, None, ct_weights
+
+
+gather_pool.defvjp(_gather_pool_fwd, _gather_pool_bwd)
 
 
 # --- the capacity, on the host ------------------------------------------------------------

@@ -262,7 +262,8 @@ class ShardedEmbeddingBagCollection(nnx.Module):
                                    jnp.stack([(dropped > 0).astype(jnp.int32), dropped.astype(jnp.int32)]))
         self.dropped_ids.set_value(self.dropped_ids.get_value()
                                    + jax.lax.psum(dropped.astype(jnp.int32), self.axis_name))
-        return _row_return.pool_received(received, mine, weights, arrays["lo"], arrays["hi"])
+        return _row_return.pool_received(received, mine, weights, arrays["lo"], arrays["hi"],
+                                         window // mine.bag_length.shape[-1])
 
     def fit_row_return(self, kjts: Sequence[KeyedJaggedTensor]) -> None:
         """Sizes the row-wise groups' row return for these per-device host KJTs, one per
