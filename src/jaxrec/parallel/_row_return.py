@@ -11,8 +11,9 @@ back to the device that asked for it, and that device pools its own bags::
                   one lookup of N * K single-id bags                          -> [N * K, D]
                   all_to_all over the sources    -> device i receives [N (owner), K, D]
     requester i   each of its ids: its owner o (the static row ranges) and its rank r among
-                  its ids that o owns, in the same order -> row received[o, r]; the rows
-                  are pooled per bag with the per-sample weights (MEAN's 1 / L included)
+                  its ids that o owns, in the same order -> row received[o, r]; one
+                  gather pools the bags with the per-sample weights (MEAN's 1 / L
+                  included), and its backward is a gather too (``gather_pool``)
 
 Bytes on the wire per device: ``N * K * D`` instead of ``N * B * S * D``; for uniform
 one-hot ids K is about ``S * B / N``, which is what a table-wise device sends. The
@@ -115,9 +116,8 @@ def gather_pool(rows, index, inverse, weights):
     """``[B, S * D]``: ``sum_l weights[b, s, l] * rows[index[b, s, l]]`` (index past the end:
     nothing). Each row feeds at most one (b, s, l), ``inverse[row]`` (-1: none), so the
     backward is a gather too, not a scatter-add."""
-    batch, num_slots, _ = index.shape
     picked = jnp.take(rows, index, axis=0, mode="fill", fill_value=0)      # [B, S, L, D]
-    return jnp.sum(picked * weights[..., None], axis=2).reshape(batch, -1)
+    return jnp.sum(picked * weights[..., None], axis=2).reshape(index.shape[0], -1)
 
 
 def _gather_pool_fwd(rows, index, inverse, weights):

@@ -258,8 +258,8 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         mine = _dist.feature_windows(local, slots["slot_feature"], window)
         weights = _dist.window_weights(local, mine, slots["slot_feature"], mean, weighted=weighted)
         if as_bounds_check_mode(self.bounds_check_mode) == BoundsCheckMode.FATAL:
-            self._raise_everywhere(functools.partial(_overflow_message, capacity),
-                                   jnp.stack([(dropped > 0).astype(jnp.int32), dropped.astype(jnp.int32)]))
+            report = jnp.stack([(dropped > 0).astype(jnp.int32), dropped.astype(jnp.int32)])
+            self._raise_everywhere(functools.partial(_overflow_message, capacity), report)
         self.dropped_ids.set_value(self.dropped_ids.get_value()
                                    + jax.lax.psum(dropped.astype(jnp.int32), self.axis_name))
         return _row_return.pool_received(received, mine, weights, arrays["lo"], arrays["hi"],
