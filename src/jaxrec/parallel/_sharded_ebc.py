@@ -222,16 +222,16 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             bounds = np.asarray(self.max_ids_per_bag)[here]
             need = {"weighted": weights is not None,
                     "need_weights": weights is not None or bool((mean & here).any())}
+            max_ids = int(bounds.max()) if here.any() and bounds.min() > 0 else 0  # all bounded
             capacity = self.row_return_capacity[i]
-            if 0 < capacity < batch * group.num_slots and bounds.min() > 0:
-                window = batch * int(bounds.max())
-                out = self._row_return(i, row, arrays, everyone, local, window, capacity,
+            if max_ids and 0 < capacity < batch * group.num_slots:
+                out = self._row_return(i, row, arrays, everyone, local, max_ids, capacity,
                                        mean & here, weights is not None)
                 outputs[REDUCE].append((out, True))
                 continue
-            if here.any() and bounds.min() > 0:  # every feature of the group is bounded
+            if max_ids:
                 group_values, offsets, psw = _dist.window_input(
-                    ids, row, mean & here, batch * int(bounds.max()), **need)
+                    ids, row, mean & here, batch * max_ids, **need)
             else:
                 group_values, offsets, psw = _dist.group_input(ids, row, mean & here, **need)
             repeated = group.kind == DP and self.fused  # the global batch, on every device
@@ -246,9 +246,10 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         dims = [layout.tables[t].dim for t in layout.feature_table]
         return KeyedTensor(list(layout.features), dims, pooled)
 
-    def _row_return(self, i, slots, arrays, everyone, local, window, capacity, mean, weighted):
+    def _row_return(self, i, slots, arrays, everyone, local, max_ids, capacity, mean, weighted):
         """Row-wise group ``i`` pooled from its looked-up rows (``_row_return``)."""
         group = self.layout.groups[i]
+        window = local.lengths.shape[-1] * max_ids
         theirs = _dist.feature_windows(everyone, slots["slot_feature"], window)
         values, offsets, dropped = _row_return.owner_input(theirs, slots, capacity)
         looked_up = _dist.lookup(self.tables[i].get_value(), group, values, offsets, None,
@@ -263,7 +264,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         self.dropped_ids.set_value(self.dropped_ids.get_value()
                                    + jax.lax.psum(dropped.astype(jnp.int32), self.axis_name))
         return _row_return.pool_received(received, mine, weights, arrays["lo"], arrays["hi"],
-                                         window // mine.bag_length.shape[-1])
+                                         max_ids)
 
     def fit_row_return(self, kjts: Sequence[KeyedJaggedTensor]) -> None:
         """Sizes the row-wise groups' row return for these per-device host KJTs, one per
