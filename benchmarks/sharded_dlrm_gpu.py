@@ -296,19 +296,19 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
 def variants(comm_dtypes: list[str], bounds: list[int | None],
              kinds=("table_wise", "row_wise")):
     """(label, sharding type, comm dtype, max_ids_per_bag, row return): float32 comms and no
-    bound are the plain label. Row-wise with a bound sends the looked-up rows back (what
-    batches from ``shard_batch(model=)`` get); ``+partial_sums`` is the same setting with
-    the reduce-scatter of partial sums instead, side by side."""
+    bound are the plain label. With a bound the groups receive the distinct rows of their
+    bags (what batches from ``shard_batch(model=)`` get); ``+no_row_return`` is the same
+    setting with the pooled bags or partial sums on the wire instead, side by side."""
     out = []
     for bound in bounds:
         for dtype in comm_dtypes:
             for kind in kinds:
                 label = (kind + ("" if dtype == "float32" else f"+{dtype}_comms")
                          + ("" if bound is None else f"+max_ids_{bound}"))
-                rows = kind == "row_wise" and bound is not None
+                rows = bound is not None
                 out.append((label, kind, dtype, bound, rows))
                 if rows:
-                    out.append((label + "+partial_sums", kind, dtype, bound, False))
+                    out.append((label + "+no_row_return", kind, dtype, bound, False))
     return out
 
 

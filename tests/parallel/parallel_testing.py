@@ -76,8 +76,7 @@ def random_kjt(rng, *, weighted: bool, n: int = N, empty_device: int | None = No
                ) -> KeyedJaggedTensor:
     """A global KJT of ``n * B`` samples; device ``empty_device``'s samples have no ids.
     ``spread``: ids from all of each table's rows (not the first ``max_id``); ``one_hot``:
-    spread, in bags of 0 or 1 id."""
-    spread = spread or one_hot
+    bags of 0 or 1 id."""
     lengths = rng.integers(0, 2 if one_hot else 4, size=(len(KEYS), n * B))
     lengths[:, rng.integers(0, n * B)] = 0
     if empty_device is not None:
@@ -90,10 +89,13 @@ def random_kjt(rng, *, weighted: bool, n: int = N, empty_device: int | None = No
 
 
 def random_batch(seed: int, *, weighted: bool, n: int = N, empty_device: int | None = None,
-                 padded_rows: int = 0, one_hot: bool = False) -> Batch:
-    """A global batch; the last ``padded_rows`` samples are padding (mask 0, no ids)."""
+                 padded_rows: int = 0, one_hot: bool = False, max_id: int | None = None
+                 ) -> Batch:
+    """A global batch; the last ``padded_rows`` samples are padding (mask 0, no ids).
+    One-hot ids spread over all rows, unless ``max_id`` keeps them to the first rows."""
     rng = np.random.default_rng(seed)
-    kjt = random_kjt(rng, weighted=weighted, n=n, empty_device=empty_device, one_hot=one_hot)
+    kjt = random_kjt(rng, weighted=weighted, n=n, empty_device=empty_device, one_hot=one_hot,
+                     spread=one_hot and max_id is None, max_id=max_id or 6)
     if padded_rows:
         lengths = np.asarray(kjt.lengths()).reshape(len(KEYS), n * B)
         keep = np.ones_like(lengths, bool)

@@ -12,8 +12,9 @@ parameters agree:
   from per-feature windows);
 * plain tables (nnx.Param) trained by optax: their dense gradients, shard by shard, and
   the data-parallel table's summed over devices;
-* row-wise tables of one-hot features, fused Adam and plain, whose rows come back to the
-  devices that asked (``shard_batch(..., model=)`` sizes the row return).
+* row-wise tables of one-hot features, fused Adam and plain, and table-wise ones, fused
+  rowwise Adagrad, whose distinct rows come back to the devices that asked
+  (``shard_batch(..., model=)`` sizes the row return).
 
 The tables' buffers are donated: each step updates them where they are, on the mesh.
 """
@@ -48,6 +49,10 @@ CASES = {
     "fused_adam_row_return": (Adam(learning_rate=0.05), "row_wise",
                               {"weighted": True, "empty_device": 5, "one_hot": True}, 1),
     "plain_optax_row_return": (None, "row_wise", {"weighted": True, "one_hot": True}, 1),
+    # table-wise groups too, when their ids repeat (the distinct rows are fewer than the bags)
+    "fused_rowwise_adagrad_table_wise_row_return": (
+        RowWiseAdagrad(learning_rate=0.1), "table_wise",
+        {"weighted": False, "one_hot": True, "max_id": 2}, 1),
 }
 
 

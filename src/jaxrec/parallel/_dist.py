@@ -20,7 +20,7 @@ Output distribution (after each group's lookup of ``[N * B, S * D]``)::
 
     a2a groups     all_to_all over the batch  -> [N(source), B, width]  (from every device)
     reduce groups  psum_scatter over the batch -> [B, width]            (partial sums added)
-                   or already pooled from the rows sent back (``_row_return``)
+    either         or already pooled from the rows sent back (``_row_return``)
     dp groups      the local [B, width]
     output column c = sum over k of [received | reduced | dp | 0][:, contributors[k][c]]
 
@@ -277,33 +277,76 @@ def _repeated_bwd(copies, _, ct):
 repeated.defvjp(_repeated_fwd, _repeated_bwd)
 
 
-def assemble(layout: ShardedLayout, outputs: dict[str, list[jax.Array]], axis: str,
-             batch: int, comm_dtype=jnp.float32) -> jax.Array:
+def assemble(layout: ShardedLayout, outputs: dict[str, list], axis: str, batch: int,
+             comm_dtype=jnp.float32) -> jax.Array:
     """The ``[B, total_dim]`` pooled output of this device's samples (module doc).
 
+    ``outputs[A2A]``, ``outputs[REDUCE]``: ``(x, pooled)`` per group, in group order: the
+    group's lookup for the global batch, or (pooled) this device's bags already in the
+    layout that the collective gives (``_row_return``); ``outputs[DP]``: ``[B, width]``.
     ``comm_dtype``: what the all-to-all and the reduce-scatter carry (the cotangents too:
     the transpose of a cast is a cast); the result is float32 again."""
     n = layout.world_size
     parts = []
-    if outputs[A2A]:
-        sent = jnp.concatenate(outputs[A2A], axis=1).astype(comm_dtype)    # [N*B, W]
-        width = sent.shape[1]
+    sent = [x for x, pooled in outputs[A2A] if not pooled]
+    if sent:
+        sent = jnp.concatenate(sent, axis=1).astype(comm_dtype)            # [N*B, W]
         received = jax.lax.all_to_all(sent, axis, 0, 0, tiled=True)         # [N(source)*B, W]
-        received = received.astype(jnp.float32)
-        parts.append(received.reshape(n, batch, width).transpose(1, 0, 2).reshape(batch, -1))
+        received = received.astype(jnp.float32).reshape(n, batch, -1).transpose(1, 0, 2)
+        received = _split(received, [x.shape[1] for x, pooled in outputs[A2A] if not pooled])
+    if outputs[A2A]:  # [B, N(source), a2a width]: each group's columns, in group order
+        parts.append(jnp.concatenate(
+            [x.reshape(batch, n, -1) if pooled else received.pop(0)
+             for x, pooled in outputs[A2A]], axis=2).reshape(batch, -1))
     partials = [x for x, pooled in outputs[REDUCE] if not pooled]
     if partials:
         partial = jnp.concatenate(partials, axis=1).astype(comm_dtype)     # [N*B, W]
         reduced = jax.lax.psum_scatter(partial, axis, scatter_dimension=0, tiled=True)
-        reduced = jnp.split(reduced.astype(jnp.float32),
-                            np.cumsum([x.shape[1] for x in partials])[:-1], axis=1)
-    for x, pooled in outputs[REDUCE]:  # in group order; pooled: from _row_return
+        reduced = _split(reduced.astype(jnp.float32), [x.shape[1] for x in partials])
+    for x, pooled in outputs[REDUCE]:
         parts.append(x if pooled else reduced.pop(0))
     if outputs[DP]:
         parts.append(jnp.concatenate(outputs[DP], axis=1))
     parts.append(jnp.zeros((batch, 1), jnp.float32))
-    x = jnp.concatenate(parts, axis=1)
-    out = x[:, np.asarray(layout.contributors[0])]
-    for columns in layout.contributors[1:]:
+    return sum_columns(jnp.concatenate(parts, axis=1), layout.contributors)
+
+
+def _split(x, widths) -> list[jax.Array]:
+    return jnp.split(x, np.cumsum(widths)[:-1], axis=-1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def sum_columns(x, contributors: tuple[tuple[int, ...], ...]):
+    """``sum_k x[:, contributors[k]]`` (``ShardedLayout.contributors``; the last column of
+    ``x`` is zeros). Every other column of ``x`` feeds exactly one output column, so the
+    backward is a gather too (XLA would transpose the gathers into a scatter-add of the
+    whole ``[B, width]``)."""
+    out = x[:, np.asarray(contributors[0])]
+    for columns in contributors[1:]:
         out = out + x[:, np.asarray(columns)]
     return out
+
+
+def _sum_columns_fwd(x, contributors):
+    return sum_columns(x, contributors), x.shape[1]
+
+
+def _sum_columns_bwd(contributors, width, ct):
+    ct = jnp.concatenate([ct, jnp.zeros((ct.shape[0], 1), ct.dtype)], axis=1)
+    return (ct[:, _feeds(contributors, width)],)
+
+
+@functools.cache
+def _feeds(contributors: tuple[tuple[int, ...], ...], width: int) -> np.ndarray:
+    """``[width]``: the output column that each column of ``x`` feeds (``total_dim``: none)."""
+    total = len(contributors[0])
+    feeds = np.full(width, total, np.int64)
+    for columns in contributors:
+        for c, j in enumerate(columns):
+            if j != width - 1:  # the zero column feeds many; its gradient is dropped
+                assert feeds[j] == total, f"column {j} feeds two output columns"
+                feeds[j] = c
+    return feeds
+
+
+sum_columns.defvjp(_sum_columns_fwd, _sum_columns_bwd)

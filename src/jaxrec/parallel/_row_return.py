@@ -1,68 +1,140 @@
-"""Row-wise outputs as the looked-up rows themselves, not as partial sums (bounded bags).
+"""Bounded bags pooled where they are asked, from distinct rows that their owners send back.
 
-The dense row-wise path (``_dist.assemble``) has every device pool the global batch's
-bags over its own rows and reduce-scatter the partial sums: ``[N * B, S * D]`` per device,
-N times what a table-wise device sends, and mostly zeros when bags are short. When every
-feature of a row-wise group has a ``max_ids_per_bag`` bound, each id's row can instead go
-back to the device that asked for it, and that device pools its own bags::
+The dense paths (``_dist.assemble``) send pooled results: a row-wise device reduce-scatters
+partial sums of the whole global batch, a table-wise device all-to-alls its slots' bags,
+``[N * B, S * D]`` per device either way: one row per (sample, slot), however few ids the
+bags hold and however often they repeat. When every feature of a group has a
+``max_ids_per_bag`` bound, each device can instead ask the owners for the distinct rows
+that its own bags read, and pool its bags itself::
 
-    owner j       the ids of source i that fall in j's rows, in (slot, window position)
-                  order, the first K of them                                  -> [N, K] ids
-                  one lookup of N * K single-id bags                          -> [N * K, D]
-                  all_to_all over the sources    -> device i receives [N (owner), K, D]
-    requester i   each of its ids: its owner o (the static row ranges) and its rank r among
-                  its ids that o owns, in the same order -> row received[o, r]; one
-                  gather pools the bags with the per-sample weights (MEAN's 1 / L
-                  included), and its backward is a gather too (``gather_pool``)
+    requester i   the ids of each output slot (``OutputSlots``), each with its owner o and
+                  its virtual row v there; sorted by (o, v): one request per distinct
+                  (o, v), the first K of each owner                -> ids [N (owner), K]
+                  all_to_all        -> owner j receives [N (source), K] virtual rows
+    owner j       one lookup of N * K single-id bags               -> [N * K, D]
+                  all_to_all        -> requester i receives [N (owner), K, D]
+    requester i   a TBE lookup whose table is the received rows (plus one zero row for
+                  no id): its bags pooled with their weights (MEAN's 1 / L included)
 
-Bytes on the wire per device: ``N * K * D`` instead of ``N * B * S * D``; for uniform
-one-hot ids K is about ``S * B / N``, which is what a table-wise device sends. The
-transposes carry the gradient back: each row's cotangent returns to its owner, whose
-fused lookup applies the optimizer to its rows (duplicates summed) in place.
+On the wire per device: ``N * K`` ids and ``N * K * D`` values instead of
+``N * B * S * D``. K follows the distinct rows a device reads of one owner, which for
+skewed (Zipf) ids is a small part of its ``B * S`` ids. The backward runs the same way
+back: the TBE lookup's backward sums each row's cotangents over the bags that read it
+(sorted, no atomics), the all-to-all returns them to the owner, and the owner's fused
+lookup applies the optimizer to its rows (rows asked by several devices summed) in place.
 
-K, the capacity per (source, owner) pair, must be static. ``fit_capacity`` computes it on
+The output slots of a group, and so the layout of the pooled result:
+
+* reduce (ROW_WISE): the group's S slots, one feature each, its rows split over the
+  devices; pooled ``[B, S * D]``, what the reduce-scatter of partial sums gives.
+* a2a (TABLE_WISE, COLUMN_WISE, TABLE_ROW_WISE): every device's slots, ``(j, s)``, each
+  one piece on one device (a column piece of a row is its own request); pooled
+  ``[B, N * S * D]`` source-major, what the all-to-all of pooled bags gives.
+
+K, the capacity per (requester, owner) pair, must be static. ``fit_capacity`` counts it on
 the host from the batches before they reach the step (``shard_batch(..., model=)``), so a
-batch it saw always fits. ``owner_input`` counts the ids past K of a batch that did not
-pass through it (the collection raises under FATAL, and counts them otherwise).
+batch it saw always fits. ``request`` counts the ids of a batch that did not pass through
+it and whose rows did not fit (the collection raises under FATAL, and counts them
+otherwise).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
+from jaxrec.ops.tbe_layout import TableLayout
 from jaxrec.parallel._dist import Windows, _exclusive_cumsum
-from jaxrec.parallel._layout import Group
+from jaxrec.parallel._layout import REDUCE, Group
+
+MAX_KEYS = 2 ** 31 - 1
+"""Requests are sorted by one int32 key ``owner * rows + virtual row``: a group whose
+devices hold more rows than that together keeps the dense path."""
 
 
-def owner_input(windows: Windows, slots: dict[str, jax.Array], capacity: int):
-    """``(values, offsets, dropped)``: this device's lookup of the ids it owns, one bag per
-    (source, rank < K), laid out so that the group's lookup ``[N * K / S, S * D]`` reshaped
-    to ``[N * K, D]`` is row ``source * K + rank``; ``dropped``: ids past the capacity."""
-    ids = windows.ids                                                      # [S, N, W]
-    num_slots, sources, _ = ids.shape
+class OutputSlots(NamedTuple):
+    """The bags a device pools from the rows sent back (module doc), static: per output slot
+    o its feature (-1: none) and its candidate pieces c, each on device ``owner[o, c]``,
+    rows ``[lo, hi)`` of the feature's table at virtual row ``offset`` (``[O, C]``; the
+    pieces of one output slot do not overlap, so an id has at most one)."""
+
+    feature: np.ndarray
+    owner: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    offset: np.ndarray
+
+
+def output_slots(group: Group) -> OutputSlots:
+    """A reduce or a2a group's ``OutputSlots`` (module doc)."""
+    feature = np.asarray(group.slot_feature)                                # [N, S]
+    lo, hi, offset = (np.asarray(x) for x in (group.slot_lo, group.slot_hi, group.slot_offset))
+    n, s = feature.shape
+    if group.kind == REDUCE:  # slot s: the same feature everywhere, its rows over the devices
+        return OutputSlots(feature[0], np.tile(np.arange(n), (s, 1)), lo.T, hi.T, offset.T)
+    return OutputSlots(feature.ravel(), np.repeat(np.arange(n), s)[:, None],
+                       lo.reshape(-1, 1), hi.reshape(-1, 1), offset.reshape(-1, 1))
+
+
+def fits_keys(group: Group) -> bool:
+    """Whether the group's requests fit one int32 sort key (``MAX_KEYS``)."""
+    return len(group.slot_feature) * group.layout.rows[0] < MAX_KEYS
+
+
+def request(mine: Windows, slots: OutputSlots, rows: int, capacity: int):
+    """``(requested [N, K], row [O, W], dropped)`` of this device (module doc).
+
+    ``mine``: this device's windows of the output slots' features (one source); ``rows``:
+    the virtual rows of each device. ``requested[o, k]``: the k-th distinct virtual row
+    asked of owner o (-1: none); ``row[o, w]``: where window position w's row arrives,
+    ``owner * K + k`` (``N * K``: no row: no id, or past the capacity); ``dropped``: the
+    ids whose rows did not fit."""
+    ids, inside = mine.ids[:, 0], mine.inside[:, 0]                         # [O, W]
     dtype = ids.dtype
-    lo, hi, offset = (slots[k].astype(dtype)[:, None, None] for k in ("lo", "hi", "offset"))
-    keep = windows.inside & (ids >= lo) & (ids < hi)
-    keep = keep.transpose(1, 0, 2).reshape(sources, -1).astype(dtype)      # [N, S*W]
-    virtual = (ids - lo + offset).transpose(1, 0, 2).reshape(sources, -1)
-    rank = jnp.cumsum(keep, axis=1, dtype=dtype) - keep
-    count = keep.sum(1)
-    fits = (keep > 0) & (rank < capacity)
-    # Row p = source * K + rank comes out at [p // S, (p % S) * D]: bag (p % S) * (N*K/S) + p // S.
-    p = jnp.arange(sources, dtype=dtype)[:, None] * capacity + rank
-    per_slot = sources * capacity // num_slots
-    bag = jnp.where(fits, (p % num_slots) * per_slot + p // num_slots, sources * capacity)
-    lengths = jnp.zeros((sources * capacity,), dtype).at[bag].set(1, mode="drop")
-    offsets = _exclusive_cumsum(lengths)
-    values = jnp.zeros((sources * capacity,), dtype).at[
-        jnp.where(fits, offsets[jnp.minimum(bag, sources * capacity - 1)], sources * capacity)
-    ].set(virtual, mode="drop")
-    dropped = jnp.sum(jnp.maximum(count - capacity, 0))
-    return values, offsets, dropped
+    sources = int(slots.owner.max()) + 1
+    owner, lo, hi, offset = (jnp.asarray(x.astype(dtype))[..., None]        # [O, C, 1]
+                             for x in (slots.owner, slots.lo, slots.hi, slots.offset))
+    none = sources * rows
+    match = inside[:, None] & (ids[:, None] >= lo) & (ids[:, None] < hi)    # [O, C, W]
+    key = jnp.where(match, owner * rows + ids[:, None] - lo + offset, none).min(1).ravel()
+    key, position = jax.lax.sort_key_val(key, jnp.arange(key.size, dtype=dtype))
+    valid = key < none
+    first = valid & (key != jnp.concatenate([jnp.full((1,), -1, dtype), key[:-1]]))
+    distinct = jnp.cumsum(first, dtype=dtype) - 1                           # the run's row
+    o = jnp.minimum(key // rows, sources - 1)
+    starts = jnp.arange(sources, dtype=dtype)[:, None] * rows
+    before = jnp.sum(first[None] & (key[None] < starts), axis=1, dtype=dtype)  # of lower owners
+    rank = distinct - before[o]
+    fits = valid & (rank < capacity)
+    slot = jnp.where(fits, o * capacity + rank, sources * capacity)
+    requested = jnp.full((sources * capacity,), -1, dtype).at[
+        jnp.where(first, slot, sources * capacity)].set(key - o * rows, mode="drop")
+    row = jnp.zeros_like(slot).at[position].set(slot)
+    dropped = jnp.sum(valid & ~fits, dtype=dtype)
+    return requested.reshape(sources, capacity), row.reshape(ids.shape), dropped
+
+
+def owner_bags(requested: jax.Array, num_slots: int):
+    """``(values, offsets)``: the rows that every source asked of this device (``[N, K]``,
+    -1 none), as single-id bags of the group's lookup, laid out so that its
+    ``[N * K / S, S * D]`` reshaped to ``[N * K, D]`` is row ``source * K + k``: row p sits
+    at ``[p // S, (p % S) * D]``, bag ``(p % S) * (N * K / S) + p // S``."""
+    by_bag = requested.reshape(-1, num_slots).T.ravel()
+    present = by_bag >= 0
+    offsets = _exclusive_cumsum(present.astype(by_bag.dtype))
+    values = jnp.zeros_like(by_bag).at[jnp.where(present, offsets[:-1], by_bag.size)].set(
+        by_bag, mode="drop")
+    return values, offsets
+
+
+def exchange(x: jax.Array, axis: str) -> jax.Array:
+    """``x [N, ...]``: block j to device j, block i of the result from device i."""
+    return jax.lax.all_to_all(x, axis, 0, 0, tiled=True)
 
 
 def send_rows(looked_up: jax.Array, dim: int, axis: str, comm_dtype) -> jax.Array:
@@ -71,99 +143,59 @@ def send_rows(looked_up: jax.Array, dim: int, axis: str, comm_dtype) -> jax.Arra
     wire, and for the rows' cotangents on their way back)."""
     sources = jax.lax.axis_size(axis)
     rows = looked_up.reshape(sources, -1, dim).astype(comm_dtype)
-    return jax.lax.all_to_all(rows, axis, 0, 0, tiled=True).astype(jnp.float32)
+    return exchange(rows, axis).astype(jnp.float32)
 
 
-def pool_received(received: jax.Array, mine: Windows, weights: jax.Array,
-                  lo: np.ndarray, hi: np.ndarray, max_ids: int) -> jax.Array:
-    """``[B, S * D]``: this device's bags pooled from the rows its owners sent back.
+def pool(received: jax.Array, row: jax.Array, mine: Windows, weights: jax.Array | None,
+         backend: str) -> jax.Array:
+    """``[B, O * D]``: this device's bags of every output slot, pooled from the ``received``
+    rows ``[N, K, D]`` (``row [O, W]``: ``request``'s; ``weights [O, W]`` or None).
 
-    ``mine``: this device's own windows (one source); ``weights [S, 1, W]`` their per-sample
-    weights; ``lo, hi [N, S]``: every device's row range per slot (the group's static slot
-    arrays); ``max_ids``: the most ids of a bag. An id's rank among this device's ids owned
-    by the same device, in (slot, position) order, is where that owner put its row
-    (``owner_input``).
-    """
+    A TBE lookup over the received rows plus one zero row (``N * K``: no id): bag (o, b)
+    reads window positions ``bag_start[o, b]`` on; the last bag of a slot also reads the
+    rest of the window, where no id points at the zero row."""
     sources, capacity, dim = received.shape
-    ids, inside = mine.ids[:, 0], mine.inside[:, 0]                        # [S, W]
-    num_slots, window = ids.shape
-    dtype = ids.dtype
-    lo, hi = (jnp.asarray(x.astype(dtype))[:, :, None] for x in (lo, hi))
-    owned = (inside[None] & (ids[None] >= lo) & (ids[None] < hi)).reshape(sources, -1)
-    owned = owned.astype(dtype)                                            # [N, S*W]
-    owner = jnp.argmax(owned, axis=0)
-    rank = jnp.take_along_axis(jnp.cumsum(owned, axis=1, dtype=dtype) - owned, owner[None], 0)[0]
-    fits = (owned.max(0) > 0) & (rank < capacity)
-    none = sources * capacity
-    row = jnp.where(fits, owner.astype(dtype) * capacity + rank, none).reshape(num_slots, window)
-
-    # Bag (b, s)'s l-th id sits at window position bag_start[s, b] + l.
-    start = mine.bag_start[:, 0, :-1]                                      # [S, B]
-    length = mine.bag_length[:, 0]
-    slot = jnp.arange(num_slots)[:, None, None]
-    position = jnp.minimum(start[..., None] + jnp.arange(max_ids, dtype=dtype), window - 1)
-    present = jnp.arange(max_ids, dtype=dtype) < length[..., None]         # [S, B, L]
-    index = jnp.where(present, row[slot, position], none).transpose(1, 0, 2)
-    w = jnp.where(present, weights[:, 0][slot, position], 0.0).transpose(1, 0, 2)
-    # The requester of each received row: flat (b, s, l), or -1 (a slot no id asked for).
-    inverse = jnp.full((none,), -1, dtype).at[index.ravel()].set(
-        jnp.arange(index.size, dtype=dtype), mode="drop")
-    return gather_pool(received.reshape(none, dim), index, inverse, w)
-
-
-@jax.custom_vjp
-def gather_pool(rows, index, inverse, weights):
-    """``[B, S * D]``: ``sum_l weights[b, s, l] * rows[index[b, s, l]]`` (index past the end:
-    nothing). Each row feeds at most one (b, s, l), ``inverse[row]`` (-1: none), so the
-    backward is a gather too, not a scatter-add."""
-    picked = jnp.take(rows, index, axis=0, mode="fill", fill_value=0)      # [B, S, L, D]
-    return jnp.sum(picked * weights[..., None], axis=2).reshape(index.shape[0], -1)
-
-
-def _gather_pool_fwd(rows, index, inverse, weights):
-    return gather_pool(rows, index, inverse, weights), (rows, index, inverse, weights)
-
-
-def _gather_pool_bwd(residuals, ct):
-    rows, index, inverse, weights = residuals
-    batch, num_slots, max_ids = index.shape
-    ct = ct.reshape(batch * num_slots, -1)
-    valid = inverse >= 0
-    requester = jnp.maximum(inverse, 0)
-    scale = jnp.where(valid, weights.reshape(-1)[requester], 0.0)
-    ct_rows = jnp.take(ct, requester // max_ids, axis=0) * scale[:, None]
-    picked = jnp.take(rows, index, axis=0, mode="fill", fill_value=0)
-    ct_weights = jnp.sum(picked * ct.reshape(batch, num_slots, 1, -1), axis=-1)
-    return ct_rows, None, None, ct_weights
-
-
-gather_pool.defvjp(_gather_pool_fwd, _gather_pool_bwd)
+    table = jnp.concatenate([received.ravel(), jnp.zeros((dim,), jnp.float32)])  # flat buffer
+    num_out, window = row.shape
+    starts = jnp.arange(num_out, dtype=row.dtype)[:, None] * window + mine.bag_start[:, 0, :-1]
+    offsets = jnp.concatenate([starts.ravel(), jnp.full((1,), num_out * window, row.dtype)])
+    layout = TableLayout(rows=(sources * capacity + 1,), dims=(dim,),
+                         feature_table_map=(0,) * num_out)
+    return embedding_bag_lookup(
+        table, row.ravel(), offsets, layout=layout, pooling=PoolingMode.SUM,
+        per_sample_weights=None if weights is None else weights.ravel(),
+        bounds_check_mode=BoundsCheckMode.NONE, backend=backend)
 
 
 # --- the capacity, on the host ------------------------------------------------------------
 
 def fit_capacity(group: Group, feature_rows: Sequence[int], kjt_ids: Sequence[Sequence[np.ndarray]]
                  ) -> int:
-    """K for ``group``: the most ids that one device's batch sends to one owner, rounded up
-    (to 1/8 of its leading power of two, then to a multiple of the group's slots) so that
-    batches of one distribution compile once.
+    """K for ``group``: the most distinct rows that one device's batch asks of one owner,
+    rounded up (to 1/8 of its leading power of two, then to a multiple of the group's
+    slots) so that batches of one distribution compile once.
 
     ``kjt_ids[d][f]``: device d's ids of feature f (the collection's feature order);
     ``feature_rows[f]``: the rows of feature f's table. Ids out of range count as row 0
     (where bounds-check WARNING and IGNORE put them); bags are not cut to
     ``max_ids_per_bag`` here, so the count is an upper bound."""
-    feature = np.asarray(group.slot_feature[0])
-    lo, hi = np.asarray(group.slot_lo), np.asarray(group.slot_hi)          # [N, S]
+    slots = output_slots(group)
+    rows = group.layout.rows[0]
+    sources = len(group.slot_feature)
     need = 0
     for ids in kjt_ids:
-        counts = np.zeros(lo.shape[0], np.int64)
-        for s, f in enumerate(feature):
+        keys = []
+        for o, f in enumerate(slots.feature):
             if f < 0:
                 continue
             x = np.asarray(ids[f]).astype(np.int64)
             x = np.where((x >= 0) & (x < feature_rows[f]), x, 0)
-            counts += ((x[None] >= lo[:, s, None]) & (x[None] < hi[:, s, None])).sum(1)
-        need = max(need, int(counts.max()))
+            for owner, lo, hi, offset in zip(slots.owner[o], slots.lo[o], slots.hi[o],
+                                             slots.offset[o]):
+                mine = x[(x >= lo) & (x < hi)]
+                keys.append(owner * rows + mine - lo + offset)
+        distinct = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
+        need = max(need, int(np.bincount(distinct // rows, minlength=sources).max()))
     granule = 1 << max(need.bit_length() - 4, 0)
     need = -(-max(need, 1) // granule) * granule
-    return -(-need // len(feature)) * len(feature)
+    return -(-need // group.num_slots) * group.num_slots

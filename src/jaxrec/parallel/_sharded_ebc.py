@@ -51,7 +51,7 @@ _COLUMN_SEPARABLE = (SGD, Adagrad, Adam)
 
 
 class DroppedIds(nnx.Variable):
-    """Row-wise ids that did not fit the row return's capacity, summed over steps and
+    """Ids whose rows did not fit the row return's capacity, summed over steps and
     devices (0 when every batch came through ``shard_batch(..., model=)``)."""
 
 
@@ -78,9 +78,10 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         of one bag (1 for one-hot features). A group whose features all have a bound reads,
         per source device, only the ids of its own features (``B * max_ids_per_bag`` each)
         instead of every gathered id: its index work and the fused backward's sort shrink
-        from ``N * C`` to about the share of its features. A row-wise group whose features
-        all have a bound sends the looked-up rows back instead of partial sums once its
-        batches are sized (``fit_row_return``). A longer bag is an error under
+        from ``N * C`` to about the share of its features. Once its batches are sized
+        (``fit_row_return``), a row-wise or table-wise group whose features all have a
+        bound receives the distinct rows its bags read and pools them itself, instead of
+        partial sums or pooled bags (``_row_return``). A longer bag is an error under
         ``bounds_check_mode=FATAL``, cut to its first ``max_ids_per_bag`` ids under
         WARNING and IGNORE (the correction), and undefined under NONE.
       bounds_check_mode, backend, name: as for ``EmbeddingBagCollection``.
@@ -89,7 +90,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
     0 for none) and ``row_return_capacity`` (per group: 0, or the row return's K) stay
     attributes of the module: static, so setting them between steps compiles a new step
     (the benchmark compares settings on one model this way). ``dropped_ids`` counts the
-    row-wise ids that a batch not sized by ``fit_row_return`` had past the capacity
+    ids whose rows a batch not sized by ``fit_row_return`` had past the capacity
     (WARNING, IGNORE, NONE; FATAL raises).
     """
 
@@ -208,27 +209,24 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         values, lengths, weights, batch = self._prepare(features)
         num_features = len(layout.features)
         local = _dist.local_ids(values, lengths, weights, num_features)
-        gather = any(g.kind != DP for g in layout.groups) or self.fused
-        everyone = _dist.gather_ids(local, self.axis_name) if gather else None
         mean = np.array([layout.tables[t].pooling == PoolingMode.MEAN for t in layout.feature_table])
+        plans = [self._group_plan(group, num_features, batch, capacity)
+                 for group, capacity in zip(layout.groups, self.row_return_capacity)]
+        gather = any(not rows and (g.kind != DP or self.fused)
+                     for g, (_, _, rows) in zip(layout.groups, plans))
+        everyone = _dist.gather_ids(local, self.axis_name) if gather else None
         outputs = {A2A: [], REDUCE: [], DP: []}
-        for i, group in enumerate(layout.groups):
+        for i, (group, (here, max_ids, rows)) in enumerate(zip(layout.groups, plans)):
+            weighted = weights is not None
+            if rows:
+                out = self._row_return(i, local, max_ids, mean & here, weighted)
+                outputs[group.kind].append((out, True))
+                continue
             arrays = group.slot_arrays(num_features)
-            here = np.zeros(num_features, bool)
-            here[arrays["slot_feature"][arrays["slot_feature"] >= 0]] = True
             row = {k: jnp.asarray(v.astype(values.dtype))[0 if group.kind == DP else me]
                    for k, v in arrays.items()}
             ids = local if group.kind == DP and not self.fused else everyone
-            bounds = np.asarray(self.max_ids_per_bag)[here]
-            need = {"weighted": weights is not None,
-                    "need_weights": weights is not None or bool((mean & here).any())}
-            max_ids = int(bounds.max()) if here.any() and bounds.min() > 0 else 0  # all bounded
-            capacity = self.row_return_capacity[i]
-            if max_ids and 0 < capacity < batch * group.num_slots:
-                out = self._row_return(i, row, arrays, everyone, local, max_ids, capacity,
-                                       mean & here, weights is not None)
-                outputs[REDUCE].append((out, True))
-                continue
+            need = {"weighted": weighted, "need_weights": weighted or bool((mean & here).any())}
             if max_ids:
                 group_values, offsets, psw = _dist.window_input(
                     ids, row, mean & here, batch * max_ids, **need)
@@ -241,36 +239,52 @@ class ShardedEmbeddingBagCollection(nnx.Module):
                                fused=self.fused, backend=self.backend)
             if repeated:
                 out = _dist.own_rows(out, self.axis_name, batch)
-            outputs[group.kind].append((out, False) if group.kind == REDUCE else out)
+            outputs[group.kind].append(out if group.kind == DP else (out, False))
         pooled = _dist.assemble(layout, outputs, self.axis_name, batch, self.comm_dtype)
         dims = [layout.tables[t].dim for t in layout.feature_table]
         return KeyedTensor(list(layout.features), dims, pooled)
 
-    def _row_return(self, i, slots, arrays, everyone, local, max_ids, capacity, mean, weighted):
-        """Row-wise group ``i`` pooled from its looked-up rows (``_row_return``)."""
+    def _group_plan(self, group, num_features: int, batch: int, capacity: int):
+        """``(here, max_ids, rows)`` of a group: its features (mask), the most ids of their
+        bags (0 unless every one has a bound) and whether it takes the row return: sized
+        (``fit_row_return``) and then fewer rows on the wire than the pooled bags."""
+        here = np.zeros(num_features, bool)
+        features = np.asarray(group.slot_feature)
+        here[features[features >= 0]] = True
+        bounds = np.asarray(self.max_ids_per_bag)[here]
+        max_ids = int(bounds.max()) if here.any() and bounds.min() > 0 else 0
+        return here, max_ids, bool(max_ids and 0 < capacity < batch * group.num_slots)
+
+    def _row_return(self, i, local, max_ids, mean, weighted):
+        """Group ``i`` pooled from the distinct rows its owners send back (``_row_return``)."""
         group = self.layout.groups[i]
-        window = local.lengths.shape[-1] * max_ids
-        theirs = _dist.feature_windows(everyone, slots["slot_feature"], window)
-        values, offsets, dropped = _row_return.owner_input(theirs, slots, capacity)
+        capacity = self.row_return_capacity[i]
+        slots = _row_return.output_slots(group)
+        feature = jnp.asarray(slots.feature.astype(local.values.dtype))
+        mine = _dist.feature_windows(local, feature, local.lengths.shape[-1] * max_ids)
+        requested, row, dropped = _row_return.request(mine, slots, group.layout.rows[0], capacity)
+        values, offsets = _row_return.owner_bags(
+            _row_return.exchange(requested, self.axis_name), group.num_slots)
         looked_up = _dist.lookup(self.tables[i].get_value(), group, values, offsets, None,
                                  fused=self.fused, backend=self.backend)
         received = _row_return.send_rows(looked_up, group.layout.dims[0], self.axis_name,
                                          self.comm_dtype)
-        mine = _dist.feature_windows(local, slots["slot_feature"], window)
-        weights = _dist.window_weights(local, mine, slots["slot_feature"], mean, weighted=weighted)
+        weights = None
+        if weighted or mean.any():
+            weights = _dist.window_weights(local, mine, feature, mean, weighted=weighted)[:, 0]
         if as_bounds_check_mode(self.bounds_check_mode) == BoundsCheckMode.FATAL:
             report = jnp.stack([(dropped > 0).astype(jnp.int32), dropped.astype(jnp.int32)])
             self._raise_everywhere(functools.partial(_overflow_message, capacity), report)
         self.dropped_ids.set_value(self.dropped_ids.get_value()
                                    + jax.lax.psum(dropped.astype(jnp.int32), self.axis_name))
-        return _row_return.pool_received(received, mine, weights, arrays["lo"], arrays["hi"],
-                                         max_ids)
+        return _row_return.pool(received, row, mine, weights, self.backend)
 
     def fit_row_return(self, kjts: Sequence[KeyedJaggedTensor]) -> None:
-        """Sizes the row-wise groups' row return for these per-device host KJTs, one per
-        device (``shard_batch(..., model=)`` calls it): afterwards every row-wise group
-        whose features all have a ``max_ids_per_bag`` sends back looked-up rows instead of
-        reduce-scattering partial sums, whenever that sends fewer bytes (``_row_return``).
+        """Sizes the groups' row return for these per-device host KJTs, one per device
+        (``shard_batch(..., model=)`` calls it): afterwards every row-wise and table-wise
+        (a2a) group whose features all have a ``max_ids_per_bag`` asks the owners for the
+        distinct rows of its bags and pools them itself, instead of receiving pooled bags
+        or partial sums, whenever that sends fewer rows (``_row_return``).
 
         The capacity only grows (a batch fitted earlier still fits), by steps of at most
         1/8, so that batches of one distribution compile one step."""
@@ -282,8 +296,9 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         ids = [_ids_by_feature(kjt, self.layout.features) for kjt in kjts]
         capacity = list(self.row_return_capacity)
         for i, group in enumerate(self.layout.groups):
-            features = [f for f in group.slot_feature[0] if f >= 0]
-            if group.kind == REDUCE and features and bounds[features].min() > 0:
+            features = [f for row in group.slot_feature for f in row if f >= 0]
+            if (group.kind != DP and features and bounds[features].min() > 0
+                    and _row_return.fits_keys(group)):
                 capacity[i] = max(capacity[i], _row_return.fit_capacity(group, rows, ids))
         self.row_return_capacity = tuple(capacity)
 
@@ -421,8 +436,8 @@ def _ids_by_feature(kjt: KeyedJaggedTensor, features: Sequence[str]) -> list[np.
 
 
 def _overflow_message(capacity, device, _, dropped) -> str:
-    return (f"device {device} owns more row-wise ids of one device's batch than the row return "
-            f"capacity {capacity} holds ({dropped} past it): the batch did not pass through "
+    return (f"device {device} asks one owner for more distinct rows than the row return "
+            f"capacity {capacity} holds ({dropped} ids past it): the batch did not pass through "
             "jaxrec.parallel.shard_batch(..., model=model) (or "
             "ShardedEmbeddingBagCollection.fit_row_return), which sizes the capacity")
 
