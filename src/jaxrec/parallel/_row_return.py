@@ -13,14 +13,14 @@ that its own bags read, and pool its bags itself::
                   all_to_all        -> owner j receives [N (source), K] virtual rows
     owner j       one lookup of N * K single-id bags               -> [N * K, D]
                   all_to_all        -> requester i receives [N (owner), K, D]
-    requester i   a TBE lookup whose table is the received rows (plus one zero row for
-                  no id): its bags pooled with their weights (MEAN's 1 / L included)
+    requester i   one gather of its bags' rows from the received ones, pooled with their
+                  weights (MEAN's 1 / L included)
 
 On the wire per device: ``N * K`` ids and ``N * K * D`` values instead of
 ``N * B * S * D``. K follows the distinct rows a device reads of one owner, which for
 skewed (Zipf) ids is a small part of its ``B * S`` ids. The backward runs the same way
-back: the TBE lookup's backward sums each row's cotangents over the bags that read it
-(sorted, no atomics), the all-to-all returns them to the owner, and the owner's fused
+back: the gather's transpose sums each row's cotangents over the bags that read it, the
+all-to-all returns them to the owner, and the owner's fused
 lookup applies the optimizer to its rows (rows asked by several devices summed) in place.
 
 The output slots of a group, and so the layout of the pooled result:
@@ -47,8 +47,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
-from jaxrec.ops.tbe_layout import TableLayout
 from jaxrec.parallel._dist import Windows, _exclusive_cumsum
 from jaxrec.parallel._layout import REDUCE, Group
 
@@ -147,24 +145,29 @@ def send_rows(looked_up: jax.Array, dim: int, axis: str, comm_dtype) -> jax.Arra
 
 
 def pool(received: jax.Array, row: jax.Array, mine: Windows, weights: jax.Array | None,
-         backend: str) -> jax.Array:
+         max_ids: int) -> jax.Array:
     """``[B, O * D]``: this device's bags of every output slot, pooled from the ``received``
     rows ``[N, K, D]`` (``row [O, W]``: ``request``'s; ``weights [O, W]`` or None).
 
-    A TBE lookup over the received rows plus one zero row (``N * K``: no id): bag (o, b)
-    reads window positions ``bag_start[o, b]`` on; the last bag of a slot also reads the
-    rest of the window, where no id points at the zero row."""
+    Bag (o, b) reads window positions ``bag_start[o, b]`` on, at most ``max_ids``: one
+    gather of ``[B, O, max_ids]`` rows. Its transpose, a scatter-add of the rows'
+    cotangents, sums each row's over the bags that read it (float atomics: the order of
+    that sum, and so its last bits, may differ run to run; the TBE lookup's sorted
+    backward would not, but it sums a hot row with one warp)."""
     sources, capacity, dim = received.shape
-    table = jnp.concatenate([received.ravel(), jnp.zeros((dim,), jnp.float32)])  # flat buffer
     num_out, window = row.shape
-    starts = jnp.arange(num_out, dtype=row.dtype)[:, None] * window + mine.bag_start[:, 0, :-1]
-    offsets = jnp.concatenate([starts.ravel(), jnp.full((1,), num_out * window, row.dtype)])
-    layout = TableLayout(rows=(sources * capacity + 1,), dims=(dim,),
-                         feature_table_map=(0,) * num_out)
-    return embedding_bag_lookup(
-        table, row.ravel(), offsets, layout=layout, pooling=PoolingMode.SUM,
-        per_sample_weights=None if weights is None else weights.ravel(),
-        bounds_check_mode=BoundsCheckMode.NONE, backend=backend)
+    start = mine.bag_start[:, 0, :-1]                                       # [O, B]
+    length = mine.bag_length[:, 0]
+    dtype = row.dtype
+    position = jnp.minimum(start[..., None] + jnp.arange(max_ids, dtype=dtype), window - 1)
+    present = jnp.arange(max_ids, dtype=dtype) < length[..., None]          # [O, B, L]
+    slot = jnp.arange(num_out)[:, None, None]
+    index = jnp.where(present, row[slot, position], sources * capacity).transpose(1, 0, 2)
+    picked = jnp.take(received.reshape(-1, dim), index, axis=0, mode="fill", fill_value=0)
+    if weights is None:
+        return jnp.sum(picked, axis=2).reshape(index.shape[0], -1)
+    w = jnp.where(present, weights[slot, position], 0.0).transpose(1, 0, 2)
+    return jnp.sum(picked * w[..., None], axis=2).reshape(index.shape[0], -1)
 
 
 # --- the capacity, on the host ------------------------------------------------------------

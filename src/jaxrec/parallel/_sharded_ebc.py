@@ -246,14 +246,17 @@ class ShardedEmbeddingBagCollection(nnx.Module):
 
     def _group_plan(self, group, num_features: int, batch: int, capacity: int):
         """``(here, max_ids, rows)`` of a group: its features (mask), the most ids of their
-        bags (0 unless every one has a bound) and whether it takes the row return: sized
-        (``fit_row_return``) and then fewer rows on the wire than the pooled bags."""
+        bags (0 unless every one has a bound) and whether it takes the row return: over
+        several devices, sized (``fit_row_return``), and fewer rows on the wire than the
+        pooled bags."""
         here = np.zeros(num_features, bool)
         features = np.asarray(group.slot_feature)
         here[features[features >= 0]] = True
         bounds = np.asarray(self.max_ids_per_bag)[here]
         max_ids = int(bounds.max()) if here.any() and bounds.min() > 0 else 0
-        return here, max_ids, bool(max_ids and 0 < capacity < batch * group.num_slots)
+        rows = (self.layout.world_size > 1 and max_ids > 0  # one device: nothing to send
+                and 0 < capacity < batch * group.num_slots)
+        return here, max_ids, rows
 
     def _row_return(self, i, local, max_ids, mean, weighted):
         """Group ``i`` pooled from the distinct rows its owners send back (``_row_return``)."""
@@ -277,7 +280,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             self._raise_everywhere(functools.partial(_overflow_message, capacity), report)
         self.dropped_ids.set_value(self.dropped_ids.get_value()
                                    + jax.lax.psum(dropped.astype(jnp.int32), self.axis_name))
-        return _row_return.pool(received, row, mine, weights, self.backend)
+        return _row_return.pool(received, row, mine, weights, max_ids)
 
     def fit_row_return(self, kjts: Sequence[KeyedJaggedTensor]) -> None:
         """Sizes the groups' row return for these per-device host KJTs, one per device
