@@ -36,7 +36,7 @@ from jaxrec.nn import EmbeddingBagConfig, PartitionedOptimizer
 from jaxrec.optim import RowWiseAdagrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharded_dlrm_gpu import FULL, _memory_cap, bce  # noqa: E402
+from sharded_dlrm_gpu import FULL, _memory_cap, bce
 
 DEFAULT_CASES = ("row_wise:1:bfloat16:1:rows,row_wise:4:bfloat16:1:rows,"
                  "table_wise:4:bfloat16:1:rows")

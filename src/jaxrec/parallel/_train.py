@@ -93,7 +93,6 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
     that mean; ``aux`` comes back with a leading device axis.
     """
 
-    @functools.cache
     def compiled(graphdef, tx, mesh, axis, spec_key, batch_count):
         param_specs, opt_specs, table_specs, rest_specs = _unkey(spec_key)
         n = mesh.shape[axis]
@@ -125,21 +124,27 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
                                check_vma=False)
         return jax.jit(mapped, donate_argnums=(0, 1, 2) if donate else ())
 
-    meshes = {}  # graphdef -> (mesh, axis): the model's structure decides them
+    # graphdef -> (mesh, axis, {(tx, specs, batch count): jitted step}). The model's
+    # structure decides the mesh (walking the modules each step would cost host time),
+    # and hashing a graphdef walks it too: one lookup per step.
+    per_model = {}
 
     def train_step(model: nnx.Module, optimizer: PartitionedOptimizer, *batch):
         if not isinstance(optimizer, PartitionedOptimizer):
             raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
                             f"{type(optimizer).__name__}")
         graphdef, params, tables, rest = split_for_training(model)
-        found = meshes.get(graphdef)  # walking the modules each step would cost host time
+        found = per_model.get(graphdef)
         if found is None:
-            found = meshes[graphdef] = mesh_of(model)
-        mesh, axis = found
+            found = per_model[graphdef] = (*mesh_of(model), {})
+        mesh, axis, steps = found
         params, tables, rest = (_placed(x, mesh) for x in (params, tables, rest))
         optimizer.opt_state = _placed(optimizer.opt_state, mesh)
         specs = (_specs(params), _specs(optimizer.opt_state), _specs(tables), _specs(rest))
-        step = compiled(graphdef, optimizer.tx, mesh, axis, _key(*specs), len(batch))
+        key = (optimizer.tx, _key(*specs), len(batch))
+        step = steps.get(key)
+        if step is None:
+            step = steps[key] = compiled(graphdef, optimizer.tx, mesh, axis, *key[1:])
         params, optimizer.opt_state, tables, rest, loss, aux = step(
             params, optimizer.opt_state, tables, rest, *batch)
         nnx.update(model, params, tables, rest)
