@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import optax
 from flax import nnx
 
@@ -52,6 +54,35 @@ def split_for_training(model: nnx.Module):
     return nnx.split(model, nnx.Param, FusedTables, ...)
 
 
+def write_back(model: nnx.Module, before: tuple, after: tuple) -> None:
+    """``nnx.update(model, *after)``, where ``before`` are the states that ``nnx.split`` gave
+    for ``model`` and ``after`` the step's new ones, of the same structure.
+
+    Where flax's split states hold the model's own Variables, each is set directly: a
+    second walk of the model's graph (``nnx.update``) took about a fifth of the host's
+    time to issue a DLRM step."""
+    def variables(states):
+        return jax.tree.leaves(states, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    old, new = variables(before), variables(after)
+    if not _split_shares_variables() or len(old) != len(new):
+        nnx.update(model, *after)
+        return
+    for var, value in zip(old, new):
+        var.set_value(value.get_value() if isinstance(value, nnx.Variable) else value)
+
+
+@functools.cache
+def _split_shares_variables() -> bool:
+    """Whether ``nnx.split`` 's states hold the model's own Variables (flax 0.12 does)."""
+    class Probe(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(()))
+
+    probe = Probe()
+    return nnx.split(probe)[1]["w"] is probe.w
+
+
 def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
     """``train_step(model, optimizer, *batch) -> loss`` (``(loss, aux)`` with ``has_aux``).
 
@@ -75,11 +106,11 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
         if not isinstance(optimizer, PartitionedOptimizer):
             raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
                             f"{type(optimizer).__name__}")
-        graphdef, params, tables, rest = split_for_training(model)
+        graphdef, *states = split_for_training(model)
         step = compiled(graphdef, optimizer.tx)
         params, optimizer.opt_state, tables, (loss, (aux, rest)) = step(
-            params, optimizer.opt_state, tables, rest, *batch)
-        nnx.update(model, params, tables, rest)
+            states[0], optimizer.opt_state, states[1], states[2], *batch)
+        write_back(model, states, (params, tables, rest))
         optimizer.step += 1
         return (loss, aux) if has_aux else loss
 

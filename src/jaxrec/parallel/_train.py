@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrec import optim
 from jaxrec.nn import PartitionedOptimizer
 from jaxrec.nn._tables import TableCollection
-from jaxrec.nn._train import split_for_training
+from jaxrec.nn._train import split_for_training, write_back
 from jaxrec.parallel._sharded_ebc import (
     ShardedEmbeddingBagCollection,
     auto_mesh,
@@ -133,12 +133,12 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
         if not isinstance(optimizer, PartitionedOptimizer):
             raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
                             f"{type(optimizer).__name__}")
-        graphdef, params, tables, rest = split_for_training(model)
+        graphdef, *states = split_for_training(model)
         found = per_model.get(graphdef)
         if found is None:
             found = per_model[graphdef] = (*mesh_of(model), {})
         mesh, axis, steps = found
-        params, tables, rest = (_placed(x, mesh) for x in (params, tables, rest))
+        params, tables, rest = (_placed(x, mesh) for x in states)
         optimizer.opt_state = _placed(optimizer.opt_state, mesh)
         specs = (_specs(params), _specs(optimizer.opt_state), _specs(tables), _specs(rest))
         key = (optimizer.tx, _key(*specs), len(batch))
@@ -147,7 +147,7 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
             step = steps[key] = compiled(graphdef, optimizer.tx, mesh, axis, *key[1:])
         params, optimizer.opt_state, tables, rest, loss, aux = step(
             params, optimizer.opt_state, tables, rest, *batch)
-        nnx.update(model, params, tables, rest)
+        write_back(model, states, (params, tables, rest))
         optimizer.step += 1
         return (loss, aux) if has_aux else loss
 
