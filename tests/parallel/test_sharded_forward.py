@@ -16,6 +16,7 @@ import pytest
 from flax import nnx
 from parallel_testing import (
     KEYS,
+    ROWS,
     TABLES,
     B,
     N,
@@ -29,7 +30,7 @@ from parallel_testing import (
 import jaxrec.parallel as par
 from jaxrec.nn import EmbeddingBagCollection, PartitionedOptimizer
 from jaxrec.optim import SGD, RowWiseAdagrad
-from jaxrec.parallel._row_return import output_slots
+from jaxrec.parallel._row_return import request_keys
 from jaxrec.sparse import KeyedJaggedTensor
 
 # Sums of at most a few float32 products: the error is a few ulps of the output.
@@ -106,22 +107,21 @@ def rows_past_capacity(sharded, kjt) -> int:
     lengths = np.asarray(kjt.lengths()).reshape(len(KEYS), N * B)
     start = np.concatenate([[0], np.cumsum(lengths.sum(1))])
     values = np.asarray(kjt.values())
+    rows = [ROWS[f] for f in sharded.feature_names]
     total = 0
     for group, capacity in zip(sharded.layout.groups, sharded.row_return_capacity):
         if not 0 < capacity < B * group.num_slots:
             continue
-        slots, rows = output_slots(group), group.layout.rows[0]
         for d in range(N):
-            keys = []
-            for o, f in enumerate(slots.feature):
-                k = KEYS.index(sharded.feature_names[f])
+            ids = []
+            for f in sharded.feature_names:
+                k = KEYS.index(f)
                 before = start[k] + lengths[k, :d * B].sum()
-                x = values[before:before + lengths[k, d * B:(d + 1) * B].sum()]
-                for owner, lo, hi, offset in zip(*(a[o] for a in slots[1:])):
-                    keys.append(owner * rows + x[(x >= lo) & (x < hi)] - lo + offset)
-            distinct, repeats = np.unique(np.concatenate(keys), return_counts=True)
+                ids.append(values[before:before + lengths[k, d * B:(d + 1) * B].sum()])
+            keys = request_keys(group, rows, ids)
+            distinct, repeats = np.unique(keys, return_counts=True)
             for owner in range(N):
-                total += repeats[distinct // rows == owner][capacity:].sum()
+                total += repeats[distinct // group.layout.rows[0] == owner][capacity:].sum()
     return int(total)
 
 

@@ -107,9 +107,10 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
             raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
                             f"{type(optimizer).__name__}")
         graphdef, *states = split_for_training(model)
+        params, tables, rest = states
         step = compiled(graphdef, optimizer.tx)
         params, optimizer.opt_state, tables, (loss, (aux, rest)) = step(
-            states[0], optimizer.opt_state, states[1], states[2], *batch)
+            params, optimizer.opt_state, tables, rest, *batch)
         write_back(model, states, (params, tables, rest))
         optimizer.step += 1
         return (loss, aux) if has_aux else loss

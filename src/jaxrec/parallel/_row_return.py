@@ -182,23 +182,31 @@ def fit_capacity(group: Group, feature_rows: Sequence[int], kjt_ids: Sequence[Se
     ``feature_rows[f]``: the rows of feature f's table. Ids out of range count as row 0
     (where bounds-check WARNING and IGNORE put them); bags are not cut to
     ``max_ids_per_bag`` here, so the count is an upper bound."""
-    slots = output_slots(group)
     rows = group.layout.rows[0]
     sources = len(group.slot_feature)
     need = 0
     for ids in kjt_ids:
-        keys = []
-        for o, f in enumerate(slots.feature):
-            if f < 0:
-                continue
-            x = np.asarray(ids[f]).astype(np.int64)
-            x = np.where((x >= 0) & (x < feature_rows[f]), x, 0)
-            for owner, lo, hi, offset in zip(slots.owner[o], slots.lo[o], slots.hi[o],
-                                             slots.offset[o]):
-                mine = x[(x >= lo) & (x < hi)]
-                keys.append(owner * rows + mine - lo + offset)
-        distinct = np.unique(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
+        distinct = np.unique(request_keys(group, feature_rows, ids))
         need = max(need, int(np.bincount(distinct // rows, minlength=sources).max()))
     granule = 1 << max(need.bit_length() - 4, 0)
     need = -(-max(need, 1) // granule) * granule
     return -(-need // group.num_slots) * group.num_slots
+
+
+def request_keys(group: Group, feature_rows: Sequence[int], ids: Sequence[np.ndarray]
+                 ) -> np.ndarray:
+    """The sort keys ``owner * rows + virtual row`` of one device's ids (``ids[f]``: of
+    feature f), one per id and output slot that reads it, as ``request`` forms them on the
+    device (int64; ids out of range count as row 0)."""
+    slots = output_slots(group)
+    rows = group.layout.rows[0]
+    keys = [np.zeros(0, np.int64)]
+    for o, f in enumerate(slots.feature):
+        if f < 0:
+            continue
+        x = np.asarray(ids[f]).astype(np.int64)
+        x = np.where((x >= 0) & (x < feature_rows[f]), x, 0)
+        for owner, lo, hi, offset in zip(slots.owner[o], slots.lo[o], slots.hi[o],
+                                         slots.offset[o]):
+            keys.append(owner * rows + x[(x >= lo) & (x < hi)] - lo + offset)
+    return np.concatenate(keys)

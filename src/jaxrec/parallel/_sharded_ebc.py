@@ -210,7 +210,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         num_features = len(layout.features)
         local = _dist.local_ids(values, lengths, weights, num_features)
         mean = np.array([layout.tables[t].pooling == PoolingMode.MEAN for t in layout.feature_table])
-        plans = [self._group_plan(group, num_features, batch, capacity)
+        plans = [self._group_plan(group, batch, capacity)
                  for group, capacity in zip(layout.groups, self.row_return_capacity)]
         gather = any(not rows and (g.kind != DP or self.fused)
                      for g, (_, _, rows) in zip(layout.groups, plans))
@@ -244,16 +244,20 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         dims = [layout.tables[t].dim for t in layout.feature_table]
         return KeyedTensor(list(layout.features), dims, pooled)
 
-    def _group_plan(self, group, num_features: int, batch: int, capacity: int):
-        """``(here, max_ids, rows)`` of a group: its features (mask), the most ids of their
-        bags (0 unless every one has a bound) and whether it takes the row return: over
-        several devices, sized (``fit_row_return``), and fewer rows on the wire than the
-        pooled bags."""
-        here = np.zeros(num_features, bool)
+    def _group_bound(self, group):
+        """``(here, max_ids)`` of a group: its features (a mask over ``feature_names``) and
+        the most ids of their bags (0 unless every one has a ``max_ids_per_bag``)."""
+        here = np.zeros(len(self.feature_names), bool)
         features = np.asarray(group.slot_feature)
         here[features[features >= 0]] = True
         bounds = np.asarray(self.max_ids_per_bag)[here]
-        max_ids = int(bounds.max()) if here.any() and bounds.min() > 0 else 0
+        return here, int(bounds.max()) if here.any() and bounds.min() > 0 else 0
+
+    def _group_plan(self, group, batch: int, capacity: int):
+        """``(here, max_ids, rows)`` of a group: ``_group_bound``, and whether it takes the
+        row return: over several devices, sized (``fit_row_return``), and fewer rows on
+        the wire than the pooled bags."""
+        here, max_ids = self._group_bound(group)
         rows = (self.layout.world_size > 1 and max_ids > 0  # one device: nothing to send
                 and 0 < capacity < batch * group.num_slots)
         return here, max_ids, rows
@@ -294,14 +298,11 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         if len(kjts) != self.layout.world_size:
             raise ValueError(f"fit_row_return needs one KJT per device: got {len(kjts)} for "
                              f"{self.layout.world_size} devices")
-        bounds = np.asarray(self.max_ids_per_bag)
         rows = [self.layout.tables[t].rows for t in self.layout.feature_table]
         ids = [_ids_by_feature(kjt, self.layout.features) for kjt in kjts]
         capacity = list(self.row_return_capacity)
         for i, group in enumerate(self.layout.groups):
-            features = [f for row in group.slot_feature for f in row if f >= 0]
-            if (group.kind != DP and features and bounds[features].min() > 0
-                    and _row_return.fits_keys(group)):
+            if group.kind != DP and self._group_bound(group)[1] and _row_return.fits_keys(group):
                 capacity[i] = max(capacity[i], _row_return.fit_capacity(group, rows, ids))
         self.row_return_capacity = tuple(capacity)
 

@@ -193,8 +193,8 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
     ``per_device=True`` a list of N batches, one per device. ``capacity``: the static
     capacity of every device's KJT; default: the largest device's number of ids, bucketed
     (``capacity_bucket``), so that recompiles stay rare. ``model``: its sharded collections
-    size their row-wise row return from this batch's KJTs (``fit_row_return``; the
-    row-wise groups of bounded features then send rows, not partial sums).
+    size their row return from this batch's KJTs (``fit_row_return``; their groups of
+    bounded features then receive distinct rows, not pooled bags or partial sums).
     """
     mesh = auto_mesh(mesh)
     axis_name = mesh.axis_names[0] if axis_name is None else axis_name
