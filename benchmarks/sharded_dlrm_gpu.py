@@ -14,8 +14,9 @@
    Zipf id per bag): the batch per GPU is fixed, the tables are TABLE_WISE (placed by the
    planner) or ROW_WISE, on sub-meshes of 1, 2, 4 and 8 of the visible devices, each with
    float32 and with bfloat16 comms of the pooled embeddings (``--comm-dtypes``), and with
-   and without ``max_ids_per_bag=1`` (``--max-ids-per-bag``: one-hot features, so each
-   device reads only its features' ids from the gathered KJTs). Reported:
+   and without ``max_ids_per_bag=1`` (``--max-ids-per-bag``: one-hot features, whose
+   groups then receive the distinct rows of their bags, next to the same setting without
+   that, ``+no_row_return``). Reported:
    step time, samples/s, and efficiency = t(1) / t(n) (t(1): the same sharded step on one
    device; ``vs_unsharded``: jaxrec.nn's unsharded step on one device instead).
 
@@ -135,7 +136,7 @@ def equality(devices) -> list[dict]:
     mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
     plans, local = equality_plans(n)
     # (plan, optimizer, max_ids_per_bag): bags have up to 3 ids; with the bound 1, one-hot
-    # bags whose row-wise rows come back to the devices that asked (shard_batch(model=))
+    # bags whose distinct rows come back to the devices that asked (shard_batch(model=))
     cases = ([(kind, "adam", None) for kind in plans if kind != "rows"]
              + [("rows", "rowwise_adagrad", None), ("mixed", "plain", None),
                 ("mixed", "adam", 3), ("rows", "rowwise_adagrad", 3),
