@@ -6,7 +6,9 @@ Builds the weak-scaling benchmark's DLRM (``sharded_dlrm_gpu.py``: 26 Criteo tab
 D=128, fused rowwise Adagrad, one Zipf id per bag, hot ids scattered) for each case of
 ``--cases`` (``kind:devices:comm_dtype:max_ids:rows``), times it untraced, then traces
 ``--steps`` steps with ``jax.profiler`` and sums the first GPU's kernel time per HLO op
-(the trace's "XLA Ops" line), with the op's JAX name stack where the trace has one.
+(the trace's "XLA Ops" line), with the op's JAX name stack where the trace has one, and
+the host's time to issue a step (``host_ms``; near ``step_ms``, the step is bound by the
+host) with its most costly Python functions (``host_top``, from ``cProfile``).
 Comparing the one-GPU case with the n-GPU case of one setting shows what sharding adds.
 This is a diagnostic, not a benchmark: tracing slows the step; use the untraced time.
 """
@@ -15,8 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import glob
 import os
+import pstats
 import sys
 import tempfile
 import time
@@ -65,12 +69,31 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
 
 
+def host_profile(call, batches, top: int, steps: int = 50) -> list[dict]:
+    """The host's time per step to issue ``steps`` back-to-back steps, per Python function
+    (``cProfile``'s own time, which inflates Python against C++ calls), most first."""
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for i in range(steps):
+        out = call(batches[i % 4])
+    profiler.disable()
+    jax.block_until_ready(out)
+    stats = pstats.Stats(profiler).stats
+    rows = sorted(((tottime, calls, f"{os.path.basename(file)}:{line}({name})")
+                   for (file, line, name), (_, calls, tottime, _, _) in stats.items()),
+                  reverse=True)[:top]
+    return [{"function": name, "us_per_step": t / steps * 1e6, "calls_per_step": c / steps}
+            for t, c, name in rows]
+
+
 def op_times(trace_dir: str, steps: int, top: int) -> dict:
     """The first GPU's kernel time per HLO op, per step, from the trace in ``trace_dir``."""
     (path,) = glob.glob(os.path.join(trace_dir, "**", "*.xplane.pb"), recursive=True)
     data = jax.profiler.ProfileData.from_file(path)
     planes = sorted((p for p in data.planes if p.name.startswith("/device:GPU:")),
                     key=lambda p: p.name)
+    if not planes:  # a CPU run: only the host's side
+        return {"plane": None, "busy_us_per_step": float("nan"), "ops": []}
     plane = planes[0]
     lines = {line.name: list(line.events) for line in plane.lines}
     # "XLA Ops": one event per HLO op run; without it, the kernels on the streams.
@@ -125,8 +148,10 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         for i in range(20):
             out = call(batches[i % 4])
+        host_ms = (time.perf_counter() - start) / 20 * 1e3
         jax.block_until_ready(out)
         step_ms = (time.perf_counter() - start) / 20 * 1e3
+        host_top = host_profile(call, batches, args.top)
         with tempfile.TemporaryDirectory() as trace_dir:
             jax.profiler.start_trace(trace_dir)
             for i in range(args.steps):
@@ -134,10 +159,14 @@ def main(argv=None) -> int:
             jax.block_until_ready(out)
             jax.profiler.stop_trace()
             profile = op_times(trace_dir, args.steps, args.top)
-        case = {"case": spec, "step_ms": step_ms, "row_return_capacity": capacity, **profile}
+        case = {"case": spec, "step_ms": step_ms, "host_ms": host_ms, "host_top": host_top,
+                "row_return_capacity": capacity, **profile}
         result["cases"].append(case)
-        print(f"== {spec}: {step_ms:.2f} ms untraced, GPU busy {case['busy_us_per_step']:.0f} us"
-              f"/step", flush=True)
+        print(f"== {spec}: {step_ms:.2f} ms untraced (host {host_ms:.2f}), GPU busy "
+              f"{case['busy_us_per_step']:.0f} us/step", flush=True)
+        for row in host_top[:25]:
+            print(f"  host {row['us_per_step']:8.1f} us x{row['calls_per_step']:6.1f}  {row['function']}",
+                  flush=True)
         for op in case["ops"][:40]:
             print(f"  {op['us_per_step']:8.1f} us x{op['calls_per_step']:4.1f}  {op['op'][:40]:40s}"
                   f"  {op.get('tf_op', op.get('name', ''))[:110]}", flush=True)

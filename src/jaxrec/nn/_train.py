@@ -25,12 +25,11 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import optax
 from flax import nnx
 
 from jaxrec import optim
-from jaxrec.nn._tables import FusedTables
+from jaxrec.nn._split_cache import SplitCache, raw_values, split_for_training, write_back
 
 
 class PartitionedOptimizer:
@@ -48,39 +47,27 @@ class PartitionedOptimizer:
         self.opt_state = tx.init(nnx.state(model, nnx.Param))
         self.step = 0
 
+    # A step that works on flat leaves (jaxrec.parallel's) keeps the state flat; the pytree
+    # is rebuilt only when read: rebuilding it each step cost host time.
+    @property
+    def opt_state(self):
+        if self._opt_state is None:
+            self._opt_state = jax.tree.unflatten(*self._flat)
+        return self._opt_state
 
-def split_for_training(model: nnx.Module):
-    """``(graphdef, params, fused tables, rest)`` of ``model``."""
-    return nnx.split(model, nnx.Param, FusedTables, ...)
+    @opt_state.setter
+    def opt_state(self, value):
+        self._opt_state, self._flat = value, None
 
+    def flat_opt_state(self) -> tuple:
+        """``(treedef, leaves)`` of ``opt_state``."""
+        if self._flat is None:
+            leaves, treedef = jax.tree.flatten(self._opt_state)
+            self._flat = (treedef, leaves)
+        return self._flat
 
-def write_back(model: nnx.Module, before: tuple, after: tuple) -> None:
-    """``nnx.update(model, *after)``, where ``before`` are the states that ``nnx.split`` gave
-    for ``model`` and ``after`` the step's new ones, of the same structure.
-
-    Where flax's split states hold the model's own Variables, each is set directly: a
-    second walk of the model's graph (``nnx.update``) took about a fifth of the host's
-    time to issue a DLRM step."""
-    def variables(states):
-        return jax.tree.leaves(states, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-    old, new = variables(before), variables(after)
-    if not _split_shares_variables() or len(old) != len(new):
-        nnx.update(model, *after)
-        return
-    for var, value in zip(old, new):
-        var.set_value(value.get_value() if isinstance(value, nnx.Variable) else value)
-
-
-@functools.cache
-def _split_shares_variables() -> bool:
-    """Whether ``nnx.split`` 's states hold the model's own Variables (flax 0.12 does)."""
-    class Probe(nnx.Module):
-        def __init__(self):
-            self.w = nnx.Param(jnp.zeros(()))
-
-    probe = Probe()
-    return nnx.split(probe)[1]["w"] is probe.w
+    def set_flat_opt_state(self, treedef, leaves: list) -> None:
+        self._opt_state, self._flat = None, (treedef, leaves)
 
 
 def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
@@ -89,8 +76,10 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
     ``loss_fn(model, *batch)`` returns the scalar loss (and ``aux``). The step updates
     ``model`` and ``optimizer`` (a ``PartitionedOptimizer``) in place. With ``donate`` (the
     default) the arrays of the model's state before the step are invalid afterwards; read
-    them again from the model.
+    them again from the model. The model's split is kept between steps while its structure
+    stays the same (``jaxrec.nn._split_cache``).
     """
+    splits = SplitCache()
 
     @functools.cache
     def compiled(graphdef, tx):
@@ -106,12 +95,14 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
         if not isinstance(optimizer, PartitionedOptimizer):
             raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
                             f"{type(optimizer).__name__}")
-        graphdef, *states = split_for_training(model)
-        params, tables, rest = states
-        step = compiled(graphdef, optimizer.tx)
+        split = splits.split(model)
+        step = split.derived.get(optimizer.tx)
+        if step is None:  # compiled() hashes the graphdef: once per split, not per step
+            step = split.derived[optimizer.tx] = compiled(split.graphdef, optimizer.tx)
+        params, tables, rest = split.states
         params, optimizer.opt_state, tables, (loss, (aux, rest)) = step(
             params, optimizer.opt_state, tables, rest, *batch)
-        write_back(model, states, (params, tables, rest))
+        write_back(split, [raw_values(s) for s in (params, tables, rest)])
         optimizer.step += 1
         return (loss, aux) if has_aux else loss
 

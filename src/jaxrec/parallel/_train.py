@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrec import optim
 from jaxrec.nn import PartitionedOptimizer
 from jaxrec.nn._tables import TableCollection
-from jaxrec.nn._train import split_for_training, write_back
+from jaxrec.nn._split_cache import SplitCache, split_for_training, write_back
 from jaxrec.parallel._sharded_ebc import (
     ShardedEmbeddingBagCollection,
     auto_mesh,
@@ -93,30 +93,44 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
     that mean; ``aux`` comes back with a leading device axis.
     """
 
-    def compiled(graphdef, tx, mesh, axis, spec_key, batch_count):
-        param_specs, opt_specs, table_specs, rest_specs = _unkey(spec_key)
+    def compiled(split, opt_treedef, tx, mesh, axis, structure, specs, batch_count):
+        # The step takes and returns flat lists (per state, the raw value of each Variable;
+        # the optax state's leaves): flattening nnx States on each call cost host time.
+        # ``structure``/``specs``: the tree of those lists and a spec per leaf.
+        treedefs = [jax.tree.structure(s) for s in split.states]
+        param_specs, opt_specs, table_specs, rest_specs = jax.tree.unflatten(structure, specs)
+        # params lead the leaves; their replicated gradients are summed over the devices
+        replicated = jax.tree.unflatten(treedefs[0],
+                                        [s == P() for s in specs[:treedefs[0].num_leaves]])
         n = mesh.shape[axis]
 
         def body(params, opt_state, tables, rest, *batch):
             batch = jax.tree.map(lambda x: x[0], batch)
+            raw = [jax.tree.structure(x) for x in (params, tables, rest)]
+            params, tables, rest = (jax.tree.unflatten(td, jax.tree.leaves(x))
+                                    for td, x in zip(treedefs, (params, tables, rest)))
+            opt_state = jax.tree.unflatten(opt_treedef, opt_state)
 
             def pure_loss(params, tables, rest, *batch):
                 # New Variables, of this trace: the model may count into its state
                 # (ShardedEmbeddingBagCollection.dropped_ids).
-                model = nnx.merge(graphdef, params, tables, rest, copy=True)
+                model = nnx.merge(split.graphdef, params, tables, rest, copy=True)
                 out = loss_fn(model, *batch)
                 loss, aux = out if has_aux else (out, None)
                 return loss / n, (loss, aux, split_for_training(model)[3])
 
             (_, (loss, aux, rest)), grads, tables = optim.fused_value_and_grad(
                 pure_loss, has_aux=True)(params, tables, rest, *batch)
-            grads = jax.tree.map(lambda g, s: jax.lax.psum(g, axis) if s == P() else g,
-                                 grads, param_specs)
+            grads = jax.tree.map(lambda g, r: jax.lax.psum(g, axis) if r else g,
+                                 grads, replicated)
             with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
                 updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
+            params, tables, rest = (jax.tree.unflatten(td, jax.tree.leaves(x))
+                                    for td, x in zip(raw, (params, tables, rest)))
             aux = jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
-            return params, opt_state, tables, rest, jax.lax.pmean(loss, axis), aux
+            return (params, jax.tree.leaves(opt_state), tables, rest,
+                    jax.lax.pmean(loss, axis), aux)
 
         in_specs = (param_specs, opt_specs, table_specs, rest_specs) + (P(axis),) * batch_count
         out_specs = (param_specs, opt_specs, table_specs, rest_specs, P(), P(axis))
@@ -124,30 +138,35 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
                                check_vma=False)
         return jax.jit(mapped, donate_argnums=(0, 1, 2) if donate else ())
 
-    # graphdef -> (mesh, axis, {(tx, specs, batch count): jitted step}). The model's
-    # structure decides the mesh (walking the modules each step would cost host time),
-    # and hashing a graphdef walks it too: one lookup per step.
-    per_model = {}
+    splits = SplitCache()
+    per_graphdef = {}  # graphdef -> (mesh, axis, {key: jitted step}), shared by equal splits
 
     def train_step(model: nnx.Module, optimizer: PartitionedOptimizer, *batch):
         if not isinstance(optimizer, PartitionedOptimizer):
             raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
                             f"{type(optimizer).__name__}")
-        graphdef, *states = split_for_training(model)
-        found = per_model.get(graphdef)
-        if found is None:
-            found = per_model[graphdef] = (*mesh_of(model), {})
-        mesh, axis, steps = found
-        params, tables, rest = (_placed(x, mesh) for x in states)
-        optimizer.opt_state = _placed(optimizer.opt_state, mesh)
-        specs = (_specs(params), _specs(optimizer.opt_state), _specs(tables), _specs(rest))
-        key = (optimizer.tx, _key(*specs), len(batch))
+        split = splits.split(model)
+        if "steps" not in split.derived:  # once per split: hashing a graphdef walks it
+            found = per_graphdef.get(split.graphdef)
+            if found is None:
+                found = per_graphdef[split.graphdef] = (*mesh_of(model), {})
+            split.derived["steps"] = found
+        mesh, axis, steps = split.derived["steps"]
+        params, tables, rest = ([v.get_raw_value() for v in variables]
+                                for variables in split.variables)
+        opt_treedef, opt_state = optimizer.flat_opt_state()
+        leaves, structure = jax.tree.flatten((params, opt_state, tables, rest))
+        leaves = [on_mesh(x, mesh) for x in leaves]
+        specs = tuple(x.sharding.spec for x in leaves)
+        key = (optimizer.tx, opt_treedef, structure, specs, len(batch))
         step = steps.get(key)
         if step is None:
-            step = steps[key] = compiled(graphdef, optimizer.tx, mesh, axis, *key[1:])
-        params, optimizer.opt_state, tables, rest, loss, aux = step(
-            params, optimizer.opt_state, tables, rest, *batch)
-        write_back(model, states, (params, tables, rest))
+            step = steps[key] = compiled(split, opt_treedef, optimizer.tx, mesh, axis,
+                                         structure, specs, len(batch))
+        params, opt_state, tables, rest, loss, aux = step(
+            *jax.tree.unflatten(structure, leaves), *batch)
+        write_back(split, (params, tables, rest))
+        optimizer.set_flat_opt_state(opt_treedef, opt_state)
         optimizer.step += 1
         return (loss, aux) if has_aux else loss
 

@@ -1,0 +1,138 @@
+"""A model's split for training, kept between steps while the model's structure stays the same.
+
+``nnx.split`` walks the whole module graph. For the sharded DLRM on 4 GPUs that walk, and
+the pytree work around it, took about half of the host's time to issue a train step, and
+the host then bound the step. ``SplitCache.split(model)`` walks once; on later calls it
+only checks (microseconds) that nothing was reassigned since:
+
+* every nnx ``Pytree`` node's attributes (modules, ``nnx.List``/``nnx.Dict``), by identity;
+* the items of every Python list, dict and set in the graph, by identity;
+* every Variable's metadata, by equality.
+
+Any difference and it splits again. The kept states hold the model's own Variables (flax's
+split hands them out, not copies), so they always carry the current values: a step reads
+them with ``get_raw_value`` and writes back with ``set_raw_value``, as ``nnx.split`` and
+``nnx.update`` do. Setting a Variable's value (``nnx.update``, a restored checkpoint) needs
+no new split.
+
+Not seen: an in-place change inside an attribute's value that is none of the above (a
+mutable object whose field is set); nnx compares such static values by equality. Assign a
+new value instead. The cache holds the model weakly and forgets it when it is collected.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxrec.nn._tables import FusedTables
+
+
+class Split(NamedTuple):
+    """``split_for_training(model)`` with its Variables listed in the states' leaf order."""
+
+    graphdef: nnx.GraphDef
+    states: tuple  # (params, fused tables, rest): nnx.States whose leaves are the Variables
+    variables: tuple  # per state, its Variables in leaf order
+    derived: dict  # what a step derives from this split and keeps with it (e.g. its mesh)
+
+
+def split_for_training(model: nnx.Module):
+    """``(graphdef, params, fused tables, rest)`` of ``model``."""
+    return nnx.split(model, nnx.Param, FusedTables, ...)
+
+
+class SplitCache:
+    """``split(model)``: the kept split of ``model`` while its structure is unchanged, else
+    a new one (module doc)."""
+
+    def __init__(self):
+        self._entries = {}  # id(model) -> (weakref to model, Split, snapshot)
+
+    def split(self, model: nnx.Module) -> Split:
+        entry = self._entries.get(id(model))
+        if entry is not None and entry[0]() is model and _unchanged(entry[2]):
+            return entry[1]
+        _require_shared_variables()
+        graphdef, *states = split_for_training(model)
+        is_var = lambda x: isinstance(x, nnx.Variable)
+        split = Split(graphdef, tuple(states),
+                      tuple(tuple(jax.tree.leaves(s, is_leaf=is_var)) for s in states), {})
+        key = id(model)
+        forget = lambda _, key=key: self._entries.pop(key, None)
+        self._entries[key] = (weakref.ref(model, forget), split, _snapshot(model))
+        return split
+
+
+def write_back(split: Split, values) -> None:
+    """Sets the model's Variables (``split.variables``) to the step's new ``values``: per
+    state, one raw value per Variable, in the same order."""
+    for variables, new in zip(split.variables, values):
+        for var, value in zip(variables, new, strict=True):
+            var.set_raw_value(value)
+
+
+def raw_values(state) -> list:
+    """The raw values of ``state``'s Variables, in leaf order."""
+    return [v.get_raw_value()
+            for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable))]
+
+
+def _snapshot(model) -> list:
+    """What ``_unchanged`` compares, per graph node: ``("node", weakref, attributes)``,
+    ``("container", list/dict/set, items)`` or ``("variable", Variable, metadata)``."""
+    out = []
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Variable):
+            out.append(("variable", node, node.get_metadata()))
+        elif isinstance(node, nnx.Pytree):
+            attributes = dict(vars(node))
+            out.append(("node", weakref.ref(node), attributes))
+            out.extend(("container", value, _items(value)) for value in attributes.values()
+                       if isinstance(value, (list, dict, set)))
+    return out
+
+
+def _items(container) -> list:
+    """A container's keys and values (dict) or elements, to compare by identity."""
+    if isinstance(container, dict):
+        return [*container.keys(), *container.values()]
+    return list(container)
+
+
+def _unchanged(snapshot: list) -> bool:
+    for kind, owner, kept in snapshot:
+        if kind == "variable":
+            if owner.get_metadata() != kept:
+                return False
+            continue
+        if kind == "node":
+            owner = owner()
+            if owner is None:
+                return False
+            now = vars(owner)
+            if len(now) != len(kept) or any(now.get(k, now) is not v for k, v in kept.items()):
+                return False
+            continue
+        now = _items(owner)
+        if len(now) != len(kept) or any(a is not b for a, b in zip(now, kept)):
+            return False
+    return True
+
+
+@functools.cache
+def _require_shared_variables() -> None:
+    """The kept states must hold the model's own Variables (flax >= 0.12's split does)."""
+    class Probe(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.zeros(()))
+
+    probe = Probe()
+    if nnx.split(probe)[1]["w"] is not probe.w:
+        raise RuntimeError("this flax's nnx.split copies Variables; jaxrec's train steps need "
+                           "the model's own Variables in the split (flax 0.12 gives them)")
