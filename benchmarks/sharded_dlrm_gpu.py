@@ -254,17 +254,19 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
                                                                [kind]):
                 # One model per size; the settings are the collection's static attributes
                 # (each setting compiles its own step once).
-                capacity = fitted if rows else (0,) * len(fitted)
+                # The same objects at every call: a step keeps the model's split while no
+                # attribute is reassigned to a different object (jaxrec.nn._split_cache).
+                setting = {"comm_dtype": jnp.dtype(comm_dtype),
+                           "max_ids_per_bag": (bound or 0,) * len(ebc.feature_names),
+                           "row_return_capacity": fitted if rows else (0,) * len(fitted)}
 
-                def call(batch, ebc=ebc, model=model, opt=opt, step=step, comm_dtype=comm_dtype,
-                         bound=bound, capacity=capacity):
-                    ebc.comm_dtype = jnp.dtype(comm_dtype)
-                    ebc.max_ids_per_bag = (bound or 0,) * len(ebc.feature_names)
-                    ebc.row_return_capacity = capacity
+                def call(batch, ebc=ebc, model=model, opt=opt, step=step, setting=setting):
+                    for name, value in setting.items():
+                        setattr(ebc, name, value)
                     return step(model, opt, batch)
                 cases.append(({"plan": label, "devices": n, "global_batch": n * b,
                                "comm_dtype": comm_dtype, "max_ids_per_bag": bound,
-                               "row_return_capacity": list(capacity),
+                               "row_return_capacity": list(setting["row_return_capacity"]),
                                "planner_estimate": estimate}, call, batches, n, ebc))
         for run, call, batches, *_ in cases:
             start = time.perf_counter()
