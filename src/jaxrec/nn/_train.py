@@ -29,7 +29,12 @@ import optax
 from flax import nnx
 
 from jaxrec import optim
-from jaxrec.nn._split_cache import SplitCache, raw_values, split_for_training, write_back
+from jaxrec.nn._split_cache import (
+    SplitCache,
+    raw_values,
+    split_for_training,
+    write_back,
+)
 
 
 class PartitionedOptimizer:

@@ -38,8 +38,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrec import optim
 from jaxrec.nn import PartitionedOptimizer
-from jaxrec.nn._tables import TableCollection
 from jaxrec.nn._split_cache import SplitCache, split_for_training, write_back
+from jaxrec.nn._tables import TableCollection
 from jaxrec.parallel._sharded_ebc import (
     ShardedEmbeddingBagCollection,
     auto_mesh,
