@@ -15,7 +15,10 @@ embeddings with collectives), takes ``jaxrec.optim.fused_value_and_grad`` of
 shard), adds up the gradients of replicated parameters over the devices (``psum``: the
 dense part and data-parallel plain tables are data parallel), and applies optax to every
 parameter where it lives (sharded plain tables shard by shard). Parameters, optax state
-and tables are donated, as in ``jaxrec.nn.make_train_step``.
+and tables are donated, as in ``jaxrec.nn.make_train_step``. The model's split is kept
+between steps while its structure is unchanged (``jaxrec.nn._split_cache``) and the
+jitted function takes flat lists of arrays: at 4 GPUs the host's time to issue a step
+otherwise exceeded the GPUs' time.
 
 Batches (``shard_batch``): every leaf gets a leading device axis, sharded over the mesh
 axis, and each device sees its own slice without that axis: arrays ``[N * B, ...]`` become
@@ -93,11 +96,12 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
     that mean; ``aux`` comes back with a leading device axis.
     """
 
-    def compiled(split, opt_treedef, tx, mesh, axis, structure, specs, batch_count):
+    def compiled(graphdef, treedefs, opt_treedef, tx, mesh, axis, structure, specs,
+                 batch_count):
         # The step takes and returns flat lists (per state, the raw value of each Variable;
         # the optax state's leaves): flattening nnx States on each call cost host time.
-        # ``structure``/``specs``: the tree of those lists and a spec per leaf.
-        treedefs = [jax.tree.structure(s) for s in split.states]
+        # ``treedefs``: the states'; ``structure``/``specs``: the tree of those lists and a
+        # spec per leaf.
         param_specs, opt_specs, table_specs, rest_specs = jax.tree.unflatten(structure, specs)
         # params lead the leaves; their replicated gradients are summed over the devices
         replicated = jax.tree.unflatten(treedefs[0],
@@ -114,7 +118,7 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
             def pure_loss(params, tables, rest, *batch):
                 # New Variables, of this trace: the model may count into its state
                 # (ShardedEmbeddingBagCollection.dropped_ids).
-                model = nnx.merge(split.graphdef, params, tables, rest, copy=True)
+                model = nnx.merge(graphdef, params, tables, rest, copy=True)
                 out = loss_fn(model, *batch)
                 loss, aux = out if has_aux else (out, None)
                 return loss / n, (loss, aux, split_for_training(model)[3])
@@ -161,8 +165,9 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
         key = (optimizer.tx, opt_treedef, structure, specs, len(batch))
         step = steps.get(key)
         if step is None:
-            step = steps[key] = compiled(split, opt_treedef, optimizer.tx, mesh, axis,
-                                         structure, specs, len(batch))
+            treedefs = [jax.tree.structure(s) for s in split.states]
+            step = steps[key] = compiled(split.graphdef, treedefs, opt_treedef, optimizer.tx,
+                                         mesh, axis, structure, specs, len(batch))
         params, opt_state, tables, rest, loss, aux = step(
             *jax.tree.unflatten(structure, leaves), *batch)
         write_back(split, (params, tables, rest))
