@@ -254,8 +254,8 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
                                                                [kind]):
                 # One model per size; the settings are the collection's static attributes
                 # (each setting compiles its own step once).
-                # The same objects at every call: a step keeps the model's split while no
-                # attribute is reassigned to a different object (jaxrec.nn._split_cache).
+                # Set at every call: the cases share the model. Equal settings keep the
+                # model's split (jaxrec.nn._split_cache); a new one splits it again.
                 setting = {"comm_dtype": jnp.dtype(comm_dtype),
                            "max_ids_per_bag": (bound or 0,) * len(ebc.feature_names),
                            "row_return_capacity": fitted if rows else (0,) * len(fitted)}

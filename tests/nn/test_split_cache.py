@@ -19,6 +19,7 @@ class Scaled(nnx.Module):
     def __init__(self, rngs):
         self.layers = nnx.List([nnx.Linear(3, 4, rngs=rngs), nnx.Linear(4, 1, rngs=rngs)])
         self.scale = 1.0  # static: part of the graphdef
+        self.sizes = (3, 4)  # static too
         self.extra = nnx.data([])  # a plain list of data
 
     def __call__(self, x):
@@ -45,9 +46,13 @@ def test_the_split_is_kept_until_something_is_reassigned():
     assert cache.split(model) is first
     model.layers[0].kernel[...] = model.layers[0].kernel[...] + 1  # a value: same structure
     assert cache.split(model) is first
+    model.sizes = tuple(range(3, 5))  # an equal new tuple: same graphdef
+    model.scale = float("1.0")
+    assert cache.split(model) is first
 
     changes = [
         lambda m: setattr(m, "scale", 2.0),                               # a static attribute
+        lambda m: setattr(m, "sizes", (3, 5)),                            # an unequal tuple
         lambda m: setattr(m.layers[1], "bias", nnx.Param(jnp.ones(1))),   # a new Variable
         lambda m: m.layers.append(nnx.Linear(1, 1, rngs=nnx.Rngs(1))),    # an nnx.List grows
         lambda m: m.extra.append(nnx.Param(jnp.ones(()))),                # a plain list grows

@@ -5,9 +5,13 @@ the pytree work around it, took about half of the host's time to issue a train s
 the host then bound the step. ``SplitCache.split(model)`` walks once; on later calls it
 only checks (microseconds) that nothing was reassigned since:
 
-* every nnx ``Pytree`` node's attributes (modules, ``nnx.List``/``nnx.Dict``), by identity;
-* the items of every Python list, dict and set in the graph, by identity;
+* every nnx ``Pytree`` node's attributes (modules, ``nnx.List``/``nnx.Dict``);
+* the items of every Python list, dict and set in the graph;
 * every Variable's metadata, by equality.
+
+Attributes and items compare by identity, or by equality where both are plain immutable
+values (numbers, strings, dtypes, tuples of them), so that setting an equal setting again
+(``ebc.max_ids_per_bag = (1,) * n``) keeps the split.
 
 Any difference and it splits again. The kept states hold the model's own Variables (flax's
 split hands them out, not copies), so they always carry the current values: a step reads
@@ -28,6 +32,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jaxrec.nn._tables import FusedTables
@@ -99,7 +104,7 @@ def _snapshot(model) -> list:
 
 
 def _items(container) -> list:
-    """A container's keys and values (dict) or elements, to compare by identity."""
+    """A container's keys and values (dict) or elements, to compare with ``_same``."""
     if isinstance(container, dict):
         return [*container.keys(), *container.values()]
     return list(container)
@@ -116,13 +121,28 @@ def _unchanged(snapshot: list) -> bool:
             if owner is None:
                 return False
             now = vars(owner)
-            if len(now) != len(kept) or any(now.get(k, now) is not v for k, v in kept.items()):
+            if len(now) != len(kept) or not all(_same(now.get(k, now), v) for k, v in kept.items()):
                 return False
             continue
         now = _items(owner)
-        if len(now) != len(kept) or any(a is not b for a, b in zip(now, kept)):
+        if len(now) != len(kept) or not all(_same(a, b) for a, b in zip(now, kept)):
             return False
     return True
+
+
+_PLAIN = (int, float, complex, str, bytes, bool, type(None), np.dtype)
+
+
+def _same(a, b) -> bool:
+    """``a is b``, or both plain immutable values (``_PLAIN``, tuples of them) and equal:
+    never ``==`` on arrays, Variables or modules."""
+    return a is b or (type(a) is type(b) and _plain(a) and _plain(b) and a == b)
+
+
+def _plain(x) -> bool:
+    if isinstance(x, tuple):
+        return all(_plain(v) for v in x)
+    return isinstance(x, _PLAIN)
 
 
 @functools.cache

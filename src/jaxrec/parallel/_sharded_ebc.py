@@ -304,8 +304,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         for i, group in enumerate(self.layout.groups):
             if group.kind != DP and self._group_bound(group)[1] and _row_return.fits_keys(group):
                 capacity[i] = max(capacity[i], _row_return.fit_capacity(group, rows, ids))
-        if tuple(capacity) != self.row_return_capacity:  # an equal new tuple: a new split
-            self.row_return_capacity = tuple(capacity)
+        self.row_return_capacity = tuple(capacity)
 
     def _prepare(self, features: KeyedJaggedTensor):
         """This device's ids of the collection's features, in its order, bounds-checked."""
