@@ -6,9 +6,16 @@
   that returned the init (zeros) would fail too.
 * Metadata, keep=N, steps, every error path, resharding 8 -> 4 devices / replicated, and
   a resumed training run that ends bit-identical to the uninterrupted one.
+* Integrity: bytes flipped in the files orbax writes, truncated or deleted files, edited
+  JSON are each found and named, and the newest intact checkpoint is restored instead;
+  stray folders are ignored; NaN/Inf arrays are refused; the directory lock.
 """
 
 import json
+import os
+import re
+import subprocess
+import sys
 
 import numpy as np
 import optax
@@ -67,8 +74,8 @@ def assert_bits_equal(actual, expected):
         assert np.array_equal(a.view(bits), e.view(bits)), where
 
 
-def round_trip(tmp_path, state, target=None):
-    ckpt.save_checkpoint(tmp_path, 1, state)
+def round_trip(tmp_path, state, target=None, **save):
+    ckpt.save_checkpoint(tmp_path, 1, state, **save)
     target = jax.eval_shape(lambda: state) if target is None else target
     restored, metadata = ckpt.restore_checkpoint(tmp_path, target)
     assert metadata == {}
@@ -90,7 +97,7 @@ def test_every_dtype_round_trips_bit_exact(tmp_path):
         values.view(bits)[0, :3] = [payload, 0x8000 << (values.itemsize * 8 - 16), 1]  # NaN,-0,tiny
         state[name] = jnp.asarray(values)
     state["scalar"] = jnp.float32(2.5)
-    restored = round_trip(tmp_path, state)
+    restored = round_trip(tmp_path, state, allow_nonfinite=True)
     assert np.isnan(np.asarray(restored["float32"])[0, 0])
 
 
@@ -315,3 +322,159 @@ def test_resumed_training_ends_bit_identical(tmp_path):
     assert meta["step"] == 3
     assert_bits_equal(resumed, uninterrupted)
     assert not np.array_equal(uninterrupted[0]["w"], init()[0]["w"])
+
+
+# --- integrity: checksums, fallback, stray folders, non-finite arrays, the lock --------------
+
+TARGET = {"w": jax.ShapeDtypeStruct((64, 16), jnp.float32),
+          "i": jax.ShapeDtypeStruct((50,), jnp.int32)}
+
+
+def save_two(tmp_path):
+    """Checkpoints 1 and 2 of random states; returns the states."""
+    states = {s: randomize(jax.tree.map(lambda t: jnp.zeros(t.shape, t.dtype), TARGET), seed=s)
+              for s in (1, 2)}
+    for s, state in states.items():
+        ckpt.save_checkpoint(tmp_path, s, state, metadata={"step": s})
+    return states
+
+
+def data_file(tmp_path, step):
+    """The largest array data file orbax wrote for ``step`` (the one holding ``w``)."""
+    files = [p for p in (tmp_path / str(step) / "state").rglob("*")
+             if p.is_file() and p.parent.name == "d"]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+def flip(path, count, seed=0):
+    data = bytearray(path.read_bytes())
+    for k in np.random.default_rng(seed).choice(len(data) // 2, count, replace=False):
+        data[len(data) // 4 + k] ^= 0x5A  # inside the payload, clear of the header
+    path.write_bytes(bytes(data))
+
+
+def truncate(path):
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def edit_json(path, old, new):
+    text = path.read_text()
+    assert old in text
+    path.write_text(text.replace(old, new))
+
+
+DAMAGE = {  # what is done to checkpoint 2, and what the error names
+    "one flipped byte": (lambda d: flip(data_file(d, 2), 1), r"leaf \['w'\] .*does not match"),
+    "64 flipped bytes": (lambda d: flip(data_file(d, 2), 64), r"leaf \['w'\] .*does not match"),
+    "truncated data file": (lambda d: truncate(data_file(d, 2)), r"arrays in .*2/state"),
+    "truncated manifest": (lambda d: truncate(d / "2" / "manifest" / "metadata"),
+                           r"cannot read .*2/manifest"),
+    "deleted manifest": (lambda d: (d / "2" / "manifest" / "metadata").unlink(),
+                         r"2/manifest"),
+    "edited manifest shape": (lambda d: edit_json(d / "2" / "manifest" / "metadata", "[64, 16]",
+                                                  "[16, 64]"), r"2/manifest does not match"),
+    "edited metadata": (lambda d: edit_json(d / "2" / "metadata" / "metadata", "2", "3"),
+                        r"2/metadata does not match its checksum"),
+    "deleted state": (lambda d: __import__("shutil").rmtree(d / "2" / "state"),
+                      r"arrays in .*2/state"),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_a_corrupt_checkpoint_is_named_and_the_newest_intact_one_restored(tmp_path, damage):
+    states = save_two(tmp_path)
+    harm, names = DAMAGE[damage]
+    harm(tmp_path)
+    with pytest.raises(ckpt.CheckpointCorruptError, match=r"checkpoint step=2 in .* is corrupt"
+                                                          ) as info:
+        ckpt.restore_checkpoint(tmp_path, TARGET, step=2)
+    assert re.search(names, str(info.value)), str(info.value)
+    assert "Traceback" not in str(info.value) and "TensorStore({" not in str(info.value)
+    with pytest.warns(UserWarning, match=r"restored checkpoint step=1 .*newest intact one; "
+                                         r"skipped .*\n  checkpoint step=2 .* is corrupt"):
+        state, meta = ckpt.restore_checkpoint(tmp_path, TARGET)
+    assert_bits_equal(state, states[1])
+    assert meta == {"step": 1} and meta.step == 1 and list(meta.corrupt) == [2]
+
+
+def test_when_every_checkpoint_is_corrupt_the_error_lists_them(tmp_path):
+    save_two(tmp_path)
+    for step in (1, 2):
+        flip(data_file(tmp_path, step), 1)
+    with pytest.raises(ckpt.CheckpointCorruptError, match=r"every checkpoint in .* is corrupt:"
+                                                          r"\n  .*step=2.*\n  .*step=1"):
+        ckpt.restore_checkpoint(tmp_path, TARGET)
+
+
+def test_an_intact_restore_says_its_step_and_verify_false_skips_the_checksums(tmp_path):
+    states = save_two(tmp_path)
+    _, meta = ckpt.restore_checkpoint(tmp_path, TARGET)
+    assert meta.step == 2 and meta.corrupt == {}
+    _, meta = ckpt.restore_checkpoint(tmp_path, TARGET, step=1)
+    assert meta.step == 1
+    flip(data_file(tmp_path, 2), 1)
+    state, _ = ckpt.restore_checkpoint(tmp_path, TARGET, step=2, verify=False)
+    assert not np.array_equal(np.asarray(state["w"]), np.asarray(states[2]["w"]))  # undetected
+
+
+def test_folders_that_are_not_complete_checkpoints_are_ignored(tmp_path):
+    states = save_two(tmp_path)
+    (tmp_path / "999").mkdir()  # a stray empty folder
+    (tmp_path / "500").mkdir()
+    (tmp_path / "500" / "state").mkdir()  # an unfinished copy
+    (tmp_path / "notes").mkdir()
+    assert ckpt.all_steps(tmp_path) == [1, 2] and ckpt.latest_step(tmp_path) == 2
+    state, meta = ckpt.restore_checkpoint(tmp_path, TARGET)
+    assert meta.step == 2
+    assert_bits_equal(state, states[2])
+    ckpt.save_checkpoint(tmp_path, 3, states[1], keep=2)
+    assert ckpt.all_steps(tmp_path) == [2, 3] and (tmp_path / "999").is_dir()
+    with pytest.raises(ValueError, match=r"999 exists but is not a complete checkpoint.*delete"):
+        ckpt.save_checkpoint(tmp_path, 999, states[1])
+    with pytest.raises(FileNotFoundError, match=r"no checkpoint in directory"):
+        ckpt.restore_checkpoint(tmp_path / "999", TARGET)
+
+
+def test_non_finite_arrays_are_refused_unless_allowed(tmp_path):
+    rng = np.random.default_rng(6)
+    state = {"dense": {"w": jnp.asarray(rng.standard_normal((4, 3)), jnp.float32)},
+             "tables": jnp.asarray(rng.standard_normal((8, 2)), jnp.bfloat16),
+             "count": jnp.asarray(rng.integers(1, 9, 3), jnp.int32)}
+    bad = {**state, "dense": {"w": state["dense"]["w"].at[1, 2].set(jnp.nan)},
+           "tables": state["tables"].at[0, 0].set(jnp.inf)}
+    with pytest.raises(ValueError, match=r"NaN or Inf: \['dense'\]\['w'\] \(1 of 12 values "
+                                         r"NaN/Inf\), \['tables'\] \(1 of 16.*allow_nonfinite"):
+        ckpt.save_checkpoint(tmp_path, 1, bad)
+    assert ckpt.all_steps(tmp_path) == []
+    ckpt.save_checkpoint(tmp_path, 1, state)
+    ckpt.save_checkpoint(tmp_path, 2, bad, allow_nonfinite=True)
+    restored, _ = ckpt.restore_checkpoint(tmp_path, jax.eval_shape(lambda: bad))
+    assert_bits_equal(restored, bad)
+
+
+def test_the_lock_refuses_a_second_holder_names_it_and_is_released(tmp_path):
+    directory = tmp_path / "run"
+    with ckpt.CheckpointLock(directory):
+        assert directory.is_dir()
+        with pytest.raises(ckpt.CheckpointLockedError, match=rf"{directory} is in use by another "
+                                                            rf"run \(holder: pid {os.getpid()} on"):
+            ckpt.CheckpointLock(directory).acquire()
+        ckpt.save_checkpoint(directory, 1, {"x": jnp.ones(2)})  # the lock file is not a step
+        assert ckpt.all_steps(directory) == [1]
+    with ckpt.CheckpointLock(directory):  # released on exit
+        pass
+
+
+def test_the_lock_of_another_process_is_refused_and_dies_with_it(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import fcntl, sys, time; f = open(sys.argv[1], 'a+'); "
+         "fcntl.flock(f, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(60)",
+         str(tmp_path / ".lock")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(ckpt.CheckpointLockedError, match=rf"{tmp_path} is in use"):
+            ckpt.CheckpointLock(tmp_path).acquire()
+    finally:
+        holder.kill()  # a crash: the lock goes with the process
+        holder.wait()
+    ckpt.CheckpointLock(tmp_path).acquire().release()

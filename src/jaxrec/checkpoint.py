@@ -1,6 +1,7 @@
 """Checkpoints of training state on orbax-checkpoint: ``save_checkpoint`` / ``restore_checkpoint``.
 
-What is saved, under ``directory/<step>/`` (one orbax ``CheckpointManager`` step):
+What is saved, under ``directory/<step>/`` (one orbax composite checkpoint, written to a
+temporary folder and renamed when complete):
 
 - ``state``: every array leaf of the pytree, flattened by path
   (``jax.tree_util.tree_flatten_with_path``) into a flat dict of arrays, so any pytree
@@ -9,13 +10,30 @@ What is saved, under ``directory/<step>/`` (one orbax ``CheckpointManager`` step
   (``key<fry>``, e.g. inside ``nnx.Rngs``) are saved as their ``jax.random.key_data`` and
   re-wrapped on restore. Python ``int``/``float`` leaves are not supported: make them arrays
   (``jnp.asarray``) or static fields.
-- ``manifest``: JSON, each leaf's path, shape and dtype (and PRNG implementation).
+- ``manifest``: JSON, each leaf's path, shape, dtype (and PRNG implementation) and the
+  SHA-256 of its bytes, the SHA-256 of the metadata, and a SHA-256 of the manifest itself.
 - ``metadata``: your JSON dict, e.g. ``{"step": 1000, "data_position": 128000}``.
 
 Restoring is bit-exact: the same dtypes (bfloat16, float16, uint32, int64 with x64, ...)
 and the same bits, NaN payloads and -0.0 included; no leaf is ever cast. The checkpoint
 must hold exactly the paths, shapes and dtypes of the target, else the error names each
 difference.
+
+Integrity:
+
+- Every restored array, the metadata and the manifest are checked against their checksums;
+  a checkpoint that fails (a changed byte, a truncated or missing file, unreadable data)
+  raises ``CheckpointCorruptError`` naming the checkpoint and the file or leaf. With
+  ``step=None`` the restore falls back to the newest intact checkpoint instead, with a
+  warning; the returned metadata's ``.step`` says which step was restored.
+- Only complete checkpoints count (``all_steps``): a folder named like a step that orbax
+  did not finish (a stray ``ckpt/999``) is ignored.
+- ``save_checkpoint`` refuses floating arrays holding NaN or Inf (a diverged run must not
+  replace good checkpoints) unless ``allow_nonfinite=True``.
+- ``CheckpointLock(directory)`` gives one process the directory for a run; a second one
+  is refused with ``CheckpointLockedError``.
+- Arrays that span several processes are not checksummed (single-process checkpoints are
+  fully verified).
 
 Resuming a training run::
 
@@ -36,69 +54,104 @@ the default device. Since the target decides, restoring into a target of other s
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import hashlib
 import json
 import numbers
+import os
 import pathlib
 import re
+import shutil
+import socket
+import warnings
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-__all__ = ["all_steps", "latest_step", "restore_checkpoint", "save_checkpoint"]
+__all__ = ["CheckpointCorruptError", "CheckpointLock", "CheckpointLockedError",
+           "RestoredMetadata", "all_steps", "latest_step", "restore_checkpoint",
+           "save_checkpoint"]
 
-_FORMAT = "jaxrec.checkpoint/1"
+_FORMAT = "jaxrec.checkpoint/2"
+_UNCHECKED_FORMATS = ("jaxrec.checkpoint/1",)  # older checkpoints, written without checksums
+_COMPLETE = "_CHECKPOINT_METADATA"  # orbax writes it before the folder gets its final name
+_LOCK_FILE = ".lock"
+
+
+class CheckpointCorruptError(ValueError):
+    """A checkpoint's files do not hold what was saved (changed, truncated or missing)."""
+
+
+class CheckpointLockedError(RuntimeError):
+    """Another process holds the ``CheckpointLock`` of the directory."""
+
+
+class RestoredMetadata(dict):
+    """The metadata dict of a restored checkpoint, and which checkpoint it came from.
+
+    ``step``: the step restored (with ``step=None``, the newest intact one). ``corrupt``:
+    ``{step: reason}`` of the newer checkpoints that were found corrupt and skipped.
+    """
+
+    def __init__(self, metadata: dict, *, step: int, corrupt: dict[int, str]):
+        super().__init__(metadata)
+        self.step, self.corrupt = step, corrupt
 
 
 def save_checkpoint(directory, step: int, state, *, metadata: dict | None = None,
-                    keep: int | None = None) -> pathlib.Path:
+                    keep: int | None = None, allow_nonfinite: bool = False) -> pathlib.Path:
     """Writes ``state`` (a pytree of arrays) and ``metadata`` as checkpoint ``step``.
 
     ``directory`` is created if missing. Returns once the checkpoint is complete on disk
     (the caller may exit right after), with the path of the step's folder. ``step`` must be
     larger than every step saved in ``directory``. ``keep=N`` deletes all but the ``N``
-    newest checkpoints.
+    newest checkpoints. A floating leaf holding NaN or Inf is refused (``ValueError``
+    naming it) unless ``allow_nonfinite=True``.
     """
     step = _check_step(step)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, numbers.Integral)
                              or keep < 1):
         raise ValueError(f"keep must be a positive int or None (keep all), got keep={keep!r}")
-    metadata = {} if metadata is None else metadata
-    if not isinstance(metadata, dict):
-        raise TypeError(f"metadata must be a dict (JSON), got {type(metadata).__name__}")
-    try:
-        json.dumps(metadata)
-    except (TypeError, ValueError) as e:
-        raise TypeError(f"metadata must be JSON-serialisable (str keys; str, int, float, bool, "
-                        f"None, list, dict values): {e}. Convert arrays with .tolist() or "
-                        "int(...)") from None
-    arrays, manifest = _flatten(state)
+    metadata = _json_metadata({} if metadata is None else metadata)
+    arrays, leaves = _flatten(state, allow_nonfinite=allow_nonfinite)
+    manifest = _seal({"format": _FORMAT, "leaves": leaves, "metadata_sha256": _json_sha(metadata)})
     path = pathlib.Path(directory).absolute()
-    manager = _manager(path, keep=keep, create=True)
-    try:
-        steps = sorted(manager.all_steps())
-        if steps and step <= steps[-1]:
-            what = "already exists" if step in steps else f"is older than the latest, {steps[-1]},"
-            raise ValueError(
-                f"checkpoint step={step} {what} in {path} (steps {steps}); steps must increase, "
-                "since restore takes the newest: save under a larger step, or delete the newer "
-                "step folders first (to roll back)")
-        manager.save(step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(arrays),
-            manifest=ocp.args.JsonSave({"format": _FORMAT, "leaves": manifest}),
+    steps = all_steps(path)
+    if steps and step <= steps[-1]:
+        what = "already exists" if step in steps else f"is older than the latest, {steps[-1]},"
+        raise ValueError(
+            f"checkpoint step={step} {what} in {path} (steps {steps}); steps must increase, "
+            "since restore takes the newest: save under a larger step, or delete the newer "
+            "step folders first (to roll back)")
+    if (path / str(step)).exists():
+        raise ValueError(f"{path / str(step)} exists but is not a complete checkpoint (no "
+                         f"{_COMPLETE}); delete or rename it, or save under another step")
+    path.mkdir(parents=True, exist_ok=True)
+    with contextlib.closing(_checkpointer()) as checkpointer:
+        checkpointer.save(path / str(step), args=ocp.args.Composite(
+            state=ocp.args.StandardSave(arrays), manifest=ocp.args.JsonSave(manifest),
             metadata=ocp.args.JsonSave(metadata)))
-        manager.wait_until_finished()
-    finally:
-        manager.close()
+    if keep is not None and jax.process_index() == 0:
+        for old in [*steps, step][:-keep]:
+            shutil.rmtree(path / str(old))
     return path / str(step)
 
 
-def restore_checkpoint(directory, target, *, step: int | None = None):
-    """Restores checkpoint ``step`` (default: the newest) into the structure of ``target``.
+def restore_checkpoint(directory, target, *, step: int | None = None, verify: bool = True):
+    """Restores checkpoint ``step`` (default: the newest intact one) into ``target``'s structure.
 
     ``target`` is a pytree of arrays or ``jax.ShapeDtypeStruct`` (e.g. ``jax.eval_shape``
     of the init) of the same paths, shapes and dtypes as the saved state; each array is
-    placed with its target leaf's sharding. Returns ``(state, metadata)``.
+    placed with its target leaf's sharding. Returns ``(state, metadata)``; ``metadata`` is
+    a ``RestoredMetadata`` (a dict) whose ``.step`` is the step restored.
+
+    ``verify`` checks every array against its checksum (one copy of the state to the host).
+    A corrupt checkpoint raises ``CheckpointCorruptError`` when ``step`` was given; with
+    ``step=None`` the newest intact older checkpoint is restored instead, with a warning
+    (``metadata.corrupt`` lists the skipped ones), and the error is raised only when no
+    checkpoint is intact.
     """
     path = pathlib.Path(directory).absolute()
     if step is not None:
@@ -107,56 +160,106 @@ def restore_checkpoint(directory, target, *, step: int | None = None):
     if not steps:
         raise FileNotFoundError(f"no checkpoint in directory={str(directory)!r}: check the path, "
                                 "or start from a fresh state when nothing was saved yet")
-    if step is None:
-        step = steps[-1]
-    elif step not in steps:
+    if step is not None and step not in steps:
         raise FileNotFoundError(f"no checkpoint step={step} in {path}; the steps there are "
                                 f"{steps} (step=None restores the newest)")
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-    manager = _manager(path, keep=None, create=False)
-    try:
-        saved = manager.restore(step, args=ocp.args.Composite(
-            manifest=ocp.args.JsonRestore(), metadata=ocp.args.JsonRestore()))
-        manifest, metadata = saved["manifest"]["leaves"], saved["metadata"]
-        abstract = _abstract(paths_leaves, manifest, step, path)
-        arrays = manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract)))["state"]
-    finally:
-        manager.close()
-    leaves = []
-    for p, leaf in paths_leaves:
-        entry = manifest[jax.tree_util.keystr(p)]
-        array = arrays[entry["name"]]
-        if "key_impl" in entry:
-            array = jax.random.wrap_key_data(array, impl=entry["key_impl"])
-            array = jax.device_put(array, _sharding(leaf, jax.tree_util.keystr(p)))
-        leaves.append(array)
-    return jax.tree_util.tree_unflatten(treedef, leaves), dict(metadata or {})
+    corrupt: dict[int, str] = {}
+    with contextlib.closing(_checkpointer()) as checkpointer:
+        for candidate in [step] if step is not None else steps[::-1]:
+            try:
+                leaves, metadata = _restore_step(checkpointer, path, candidate, paths_leaves,
+                                                 verify=verify)
+                break
+            except CheckpointCorruptError as e:
+                if step is not None:
+                    raise
+                corrupt[candidate] = str(e)
+        else:
+            raise CheckpointCorruptError(f"every checkpoint in {path} is corrupt:\n  "
+                                         + "\n  ".join(corrupt.values()))
+    if corrupt:
+        warnings.warn(f"restored checkpoint step={candidate} of {path}, the newest intact one; "
+                      f"skipped the newer corrupt ones:\n  " + "\n  ".join(corrupt.values()),
+                      stacklevel=2)
+    return (jax.tree_util.tree_unflatten(treedef, leaves),
+            RestoredMetadata(metadata, step=candidate, corrupt=corrupt))
 
 
 def latest_step(directory) -> int | None:
-    """The newest checkpoint step in ``directory``, or ``None`` when there is none."""
+    """The newest complete checkpoint step in ``directory``, or ``None`` when there is none."""
     steps = all_steps(directory)
     return steps[-1] if steps else None
 
 
 def all_steps(directory) -> list[int]:
-    """All checkpoint steps in ``directory``, ascending (``[]`` when there is none)."""
+    """All complete checkpoint steps in ``directory``, ascending (``[]`` when there is none).
+
+    A folder named like a step that is not a finished checkpoint (no ``_CHECKPOINT_METADATA``,
+    e.g. an empty ``ckpt/999``) is ignored. Complete checkpoints may still be corrupt:
+    ``restore_checkpoint`` verifies them.
+    """
     path = pathlib.Path(directory).absolute()
     if not path.is_dir():
         return []
-    manager = _manager(path, keep=None, create=False)
-    try:
-        return sorted(int(s) for s in manager.all_steps())
-    finally:
-        manager.close()
+    return sorted(int(p.name) for p in path.iterdir()
+                  if p.name.isdigit() and p.is_dir() and (p / _COMPLETE).is_file())
+
+
+class CheckpointLock:
+    """Exclusive use of a checkpoint directory by one process, e.g. for a training run::
+
+        with CheckpointLock(ckpt_dir):
+            ...  # save and restore checkpoints
+
+    An exclusive ``flock`` on ``directory/.lock`` (the directory is created if missing); a
+    second process (or a second lock in this one) gets ``CheckpointLockedError`` naming the
+    directory and the holder's pid and host. The operating system drops the lock when the
+    process ends, crashes included, so a stale lock never blocks the next run.
+    """
+
+    def __init__(self, directory):
+        self.directory = pathlib.Path(directory).absolute()
+        self._file = None
+
+    def acquire(self) -> CheckpointLock:
+        if self._file is not None:
+            raise RuntimeError(f"this CheckpointLock of {self.directory} is already held")
+        self.directory.mkdir(parents=True, exist_ok=True)
+        file = open(self.directory / _LOCK_FILE, "a+")  # noqa: SIM115 (held until release)
+        try:
+            fcntl.flock(file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            file.seek(0)
+            holder = file.read().strip() or "unknown"
+            file.close()
+            raise CheckpointLockedError(
+                f"checkpoint directory {self.directory} is in use by another run (holder: "
+                f"{holder}); wait for it to end, or use another checkpoint directory") from None
+        file.seek(0)
+        file.truncate()
+        file.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+        file.flush()
+        self._file = file
+        return self
+
+    def release(self) -> None:
+        if self._file is not None:
+            fcntl.flock(self._file, fcntl.LOCK_UN)
+            self._file.close()
+            self._file = None
+
+    def __enter__(self) -> CheckpointLock:
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
 
 
 # --- helpers -------------------------------------------------------------------------
 
-def _manager(path: pathlib.Path, *, keep: int | None, create: bool) -> ocp.CheckpointManager:
-    options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=create)
-    return ocp.CheckpointManager(path, options=options)
+def _checkpointer() -> ocp.Checkpointer:
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
 
 
 def _check_step(step) -> int:
@@ -169,9 +272,47 @@ def _is_key(dtype) -> bool:
     return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
 
 
-def _flatten(state) -> tuple[dict, dict]:
+def _json_metadata(metadata) -> dict:
+    """``metadata`` as it reads back from JSON (so that its checksum matches on restore)."""
+    if not isinstance(metadata, dict):
+        raise TypeError(f"metadata must be a dict (JSON), got {type(metadata).__name__}")
+    try:
+        return json.loads(json.dumps(metadata))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"metadata must be JSON-serialisable (str keys; str, int, float, bool, "
+                        f"None, list, dict values): {e}. Convert arrays with .tolist() or "
+                        "int(...)") from None
+
+
+def _json_sha(value) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def _seal(manifest: dict) -> dict:
+    """The manifest with a checksum of itself, so that a changed shape or checksum is seen."""
+    return {**manifest, "sha256": _json_sha(manifest)}
+
+
+def _array_sha(array) -> str | None:
+    """SHA-256 of an array's bytes (C order); None for an array spanning several processes."""
+    if isinstance(array, jax.Array) and not array.is_fully_addressable:
+        return None
+    host = np.ascontiguousarray(np.asarray(array))
+    return hashlib.sha256(host.reshape(-1).view(np.uint8)).hexdigest()
+
+
+def _nonfinite(key: str, array) -> str | None:
+    """``"key (n of size values NaN/Inf)"`` when a floating array is not all finite."""
+    if not jax.dtypes.issubdtype(array.dtype, np.inexact) or (
+            isinstance(array, jax.Array) and not array.is_fully_addressable):
+        return None
+    bad = int(np.size(array) - np.count_nonzero(np.isfinite(np.asarray(array))))
+    return f"{key or '<root>'} ({bad} of {np.size(array)} values NaN/Inf)" if bad else None
+
+
+def _flatten(state, *, allow_nonfinite: bool) -> tuple[dict, dict]:
     """``{storage name: array}`` and the manifest ``{keystr(path): entry}`` of ``state``."""
-    arrays, manifest = {}, {}
+    arrays, manifest, nonfinite = {}, {}, []
     for i, (p, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
         key = jax.tree_util.keystr(p)
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
@@ -189,11 +330,86 @@ def _flatten(state) -> tuple[dict, dict]:
         if _is_key(leaf.dtype):
             entry["key_impl"] = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
+        elif not allow_nonfinite and (bad := _nonfinite(key, leaf)):
+            nonfinite.append(bad)
+        entry["sha256"] = _array_sha(leaf)
         arrays[name] = leaf
         manifest[key] = entry
     if not arrays:
         raise ValueError("state has no array leaves; there is nothing to checkpoint")
+    if nonfinite:
+        raise ValueError(
+            f"state leaves hold NaN or Inf: {', '.join(nonfinite[:10])}"
+            + (f" and {len(nonfinite) - 10} more" if len(nonfinite) > 10 else "")
+            + "; not saved, so that a diverged state never replaces a good checkpoint. Save a "
+            "finite state (lower the learning rate, skip non-finite steps), or pass "
+            "allow_nonfinite=True to save it anyway")
     return arrays, manifest
+
+
+def _corrupt(path: pathlib.Path, step: int, what: str, error: Exception | None = None):
+    detail = ""
+    if error is not None:  # the first line of orbax's error, without TensorStore's spec dump
+        first = (str(error).splitlines() or [""])[0].split(" See full TensorStore details")[0]
+        detail = f" ({type(error).__name__}: {first[:300]})"
+    return CheckpointCorruptError(f"checkpoint step={step} in {path} is corrupt: {what}{detail}")
+
+
+def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, verify: bool):
+    """The target's leaves and the metadata of checkpoint ``step``, verified."""
+    where = path / str(step)
+    try:
+        saved = checkpointer.restore(where, args=ocp.args.Composite(
+            manifest=ocp.args.JsonRestore(), metadata=ocp.args.JsonRestore()))
+        manifest, metadata = saved["manifest"], saved["metadata"]
+    except Exception as e:  # noqa: BLE001 (orbax/TensorStore/JSON errors of damaged files)
+        raise _corrupt(path, step, f"cannot read {where / 'manifest'} or {where / 'metadata'}",
+                       e) from e
+    leaves_manifest = _check_manifest(manifest, path, step)
+    if not isinstance(metadata, dict):
+        raise _corrupt(path, step, f"{where / 'metadata'} holds a {type(metadata).__name__}, "
+                                   "not a dict")
+    if "metadata_sha256" in manifest and _json_sha(metadata) != manifest["metadata_sha256"]:
+        raise _corrupt(path, step, f"{where / 'metadata'} does not match its checksum")
+    abstract = _abstract(paths_leaves, leaves_manifest, step, path)
+    try:
+        arrays = checkpointer.restore(where, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract)))["state"]
+    except Exception as e:  # noqa: BLE001 (same as above, for the arrays' files)
+        raise _corrupt(path, step, f"cannot read the arrays in {where / 'state'}", e) from e
+    leaves = []
+    for p, leaf in paths_leaves:
+        key = jax.tree_util.keystr(p)
+        entry = leaves_manifest[key]
+        array = arrays[entry["name"]]
+        if verify and entry.get("sha256") and _array_sha(array) != entry["sha256"]:
+            raise _corrupt(path, step, f"leaf {key or '<root>'} (stored as {entry['name']} in "
+                                       f"{where / 'state'}) does not match its checksum")
+        if "key_impl" in entry:
+            array = jax.random.wrap_key_data(array, impl=entry["key_impl"])
+            array = jax.device_put(array, _sharding(leaf, key))
+        leaves.append(array)
+    return leaves, metadata
+
+
+def _check_manifest(manifest, path: pathlib.Path, step: int) -> dict:
+    """The manifest's leaves, once its format, structure and own checksum are right."""
+    where = path / str(step) / "manifest"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("leaves"), dict):
+        raise _corrupt(path, step, f"{where} is not a jaxrec checkpoint manifest")
+    fmt = manifest.get("format")
+    if fmt not in (_FORMAT, *_UNCHECKED_FORMATS):
+        raise _corrupt(path, step, f"{where} has format {fmt!r}; this jaxrec reads {_FORMAT} "
+                                   f"and {', '.join(_UNCHECKED_FORMATS)}")
+    if fmt == _FORMAT:
+        body = {k: v for k, v in manifest.items() if k != "sha256"}
+        if manifest.get("sha256") != _json_sha(body):
+            raise _corrupt(path, step, f"{where} does not match its checksum")
+    for key, entry in manifest["leaves"].items():
+        if not (isinstance(entry, dict) and isinstance(entry.get("name"), str)
+                and isinstance(entry.get("shape"), list) and isinstance(entry.get("dtype"), str)):
+            raise _corrupt(path, step, f"{where}: the entry of leaf {key} is malformed")
+    return manifest["leaves"]
 
 
 def _sharding(leaf, key: str = "") -> jax.sharding.Sharding:
