@@ -20,6 +20,7 @@ from jaxrec.data import (
     CRITEO_SPARSE_KEYS,
     Batch,
     CriteoReader,
+    DataFileError,
     DataFormatError,
     dense_log1p,
     dense_log_plus3,
@@ -235,8 +236,113 @@ def test_error_missing_path_and_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"Criteo TSV file not found: .*nope.txt; pass "
                                                 r"the path of a Kaggle train.txt"):
         CriteoReader(tmp_path / "nope.txt", batch_size=2, num_embeddings_per_feature=5)
-    with pytest.raises(IsADirectoryError, match=r"is not a file; pass the TSV files"):
+    with pytest.raises(DataFileError, match=r"is a directory; .* for a folder its files"):
         CriteoReader(tmp_path, batch_size=2, num_embeddings_per_feature=5)
+
+
+def test_error_unreadable_file(tmp_path, monkeypatch):
+    path = write_tsv(tmp_path / "locked.tsv", make_rows(3))
+    real_open = open
+
+    def no_permission(file, *args, **kwargs):  # chmod does not stop root, which CI may be
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_permission)
+    with pytest.raises(DataFileError, match=r"locked.tsv cannot be read \(Permission denied\); "
+                                            r"check its permissions"):
+        CriteoReader(path, batch_size=2, num_embeddings_per_feature=5)
+
+
+# -- nothing to read, damaged files, values out of range ------------------------------------
+
+
+@pytest.mark.parametrize("text", ["", "\n\n\r\n"])
+def test_error_file_without_rows(tmp_path, text):
+    good = write_tsv(tmp_path / "day_0", make_rows(3, seed=11))
+    empty = tmp_path / "day_1"
+    empty.write_text(text)
+    for paths in ([empty], [good, empty]):
+        reader = CriteoReader(paths, batch_size=2, num_embeddings_per_feature=SIZES)
+        with pytest.raises(DataFormatError, match=r"day_1 holds no rows \(it is empty or has "
+                                                  r"only blank lines\)"):
+            list(reader)
+
+
+def test_error_drop_leaves_no_batch(tmp_path):
+    path = write_tsv(tmp_path / "t.tsv", make_rows(3, seed=12))
+    reader = CriteoReader(path, batch_size=4, num_embeddings_per_feature=SIZES,
+                          last_batch="drop")
+    with pytest.raises(ValueError, match=r"t.tsv: 3 rows in all, fewer than batch_size=4, and "
+                                         r"last_batch='drop' drops them all"):
+        list(reader)
+
+
+def _gzip_bytes(rows):
+    return gzip.compress(("\n".join("\t".join(r) for r in rows) + "\n").encode())
+
+
+@pytest.mark.parametrize("damage", ["plain text", "truncated", "corrupt"])
+def test_error_damaged_gzip(tmp_path, damage):
+    whole = _gzip_bytes(make_rows(200, seed=13))
+    blob = {"plain text": b"1\t2\t3\n", "truncated": whole[: len(whole) // 2],
+            "corrupt": whole[:20] + bytes(b ^ 0x5A for b in whole[20:60]) + whole[60:]}[damage]
+    path = tmp_path / "day_0.gz"
+    path.write_bytes(blob)
+    reader = CriteoReader(path, batch_size=8, num_embeddings_per_feature=SIZES)
+    with pytest.raises(DataFormatError, match=r"day_0.gz: not a readable gzip file \(.*\); it "
+                                              r"is damaged or truncated"):
+        list(reader)
+
+
+@pytest.mark.parametrize("bad", ["99999999999999999999999", "-99999999999999999999999",
+                                 "9223372036854775808"])
+def test_error_dense_beyond_int64(tmp_path, bad):
+    rows = make_rows(5, seed=14)
+    rows[3][1 + 6] = bad
+    _error(tmp_path, rows, rf"line 4, field I7: '{bad}' is out of range \(I1..I13 hold counts, "
+                           r"at most 2\*\*63 - 1")
+
+
+def test_dense_at_the_int64_limits_is_read(tmp_path):
+    # 19-20 characters: wider than any hash, which must not make the hashes look too long
+    rows = make_rows(2, seed=15)
+    rows[0][1:3] = ["9223372036854775807", "-9223372036854775808"]
+    (batch,) = CriteoReader(write_tsv(tmp_path / "t.tsv", rows), batch_size=2,
+                            num_embeddings_per_feature=SIZES)
+    np.testing.assert_allclose(np.asarray(batch.dense[0, :2]), [math.log1p(2.0**63), 0.0],
+                               rtol=1e-6)
+
+
+def test_negative_counts_are_clamped_by_both_transforms(tmp_path):
+    rows = make_rows(4, seed=16)
+    rows[2][1:5] = ["-1", "-2", "-3", "-1000"]
+    path = write_tsv(tmp_path / "t.tsv", rows)
+    for transform, want in ((dense_log1p, [0.0] * 4),
+                            (dense_log_plus3, [math.log(2.0), 0.0, 0.0, 0.0])):
+        (batch,) = CriteoReader(path, batch_size=4, num_embeddings_per_feature=SIZES,
+                                dense_transform=transform)
+        assert np.isfinite(np.asarray(batch.dense)).all()
+        np.testing.assert_allclose(np.asarray(batch.dense[2, :4]), want, atol=1e-7)
+
+
+def test_error_transform_gives_non_finite(tmp_path):
+    rows = make_rows(6, seed=17)
+    rows[4][1 + 2] = "-7"
+    text = "\n".join("\t".join(r) for r in rows[:2]) + "\n\n" + "\n".join(
+        "\t".join(r) for r in rows[2:])
+    (tmp_path / "t.tsv").write_text(text)  # a blank line: the row is on line 6
+
+    def log_plus3_unclamped(x):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.log(x + 3.0)
+
+    reader = CriteoReader(tmp_path / "t.tsv", batch_size=2, num_embeddings_per_feature=SIZES,
+                          dense_transform=log_plus3_unclamped, read_chunk_rows=4)
+    with pytest.raises(DataFormatError, match=r"t.tsv, line 6, field I3: dense_transform maps "
+                                              r"-7 to nan, not a finite number"):
+        list(reader)
 
 
 def test_error_arguments(tmp_path):

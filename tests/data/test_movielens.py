@@ -8,6 +8,7 @@ Fixture lines (written by the tests)::
 """
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,11 +16,13 @@ import pytest
 from data_testing import bags, valid_rows
 from jaxrec.data import (
     MOVIELENS_100K_SPLITS,
+    DataFileError,
     DataFormatError,
     MovieLensRatings,
     MovieLensReader,
     load_movielens_ratings,
     movielens_100k_split,
+    movielens_ids,
 )
 
 FORMATS = {"tab": "\t", "dat": "::", "csv": ","}
@@ -76,8 +79,9 @@ def test_reader_batches_match_reference(tmp_path, fmt, last_batch):
     reader = MovieLensReader(path, batch_size=5, last_batch=last_batch)
     batches = list(reader)
     assert len(batches) == len(reader) == (4 if last_batch == "drop" else 5)
-    assert reader.num_users == max(r[0] for r in ref) + 1  # ids as they are
-    assert reader.num_items == max(r[1] for r in ref) + 1
+    users, items = sorted({r[0] for r in ref}), sorted({r[1] for r in ref})
+    assert (reader.num_users, reader.num_items) == (len(users), len(items))  # dense rows
+    assert reader.user_ids.tolist() == users and reader.item_ids.tolist() == items
     row = 0
     for batch in batches:
         assert batch.sparse.keys() == ["user_id", "item_id"]
@@ -89,7 +93,7 @@ def test_reader_batches_match_reference(tmp_path, fmt, last_batch):
                 assert got["user_id"][b] == got["item_id"][b] == [] and batch.labels[b] == 0
                 continue
             u, i, r, _ = ref[row]
-            assert (got["user_id"][b], got["item_id"][b]) == ([u], [i])
+            assert (got["user_id"][b], got["item_id"][b]) == ([users.index(u)], [items.index(i)])
             assert batch.labels[b] == np.float32(r)
             row += 1
     assert row == (20 if last_batch == "drop" else 23)
@@ -130,10 +134,14 @@ def test_100k_split_files(tmp_path):
         train, held_out = load_movielens_ratings(base), load_movielens_ratings(test)
         assert len(train) + len(held_out) == 60
         assert held_out.users.tolist() == [all_ratings[j][0] for j in range(k, 60, 7)]
-        # one table size for both halves: ids index the same rows
-        reader = MovieLensReader(held_out, batch_size=4, num_users=51, num_items=81)
-        assert (reader.num_users, reader.num_items) == (51, 81)
-        assert sum(valid_rows(b) for b in reader) == len(held_out)
+        # one vocabulary for both halves: a user has one row in each
+        user_ids, item_ids = movielens_ids(train, held_out)
+        readers = [MovieLensReader(r, batch_size=4, user_ids=user_ids, item_ids=item_ids)
+                   for r in (train, held_out)]
+        assert {(r.num_users, r.num_items) for r in readers} == {(user_ids.size, item_ids.size)}
+        assert user_ids.tolist() == sorted({r[0] for r in all_ratings})
+        rows = [bags(b.sparse)["user_id"][j][0] for b in readers[1] for j in range(valid_rows(b))]
+        assert user_ids[rows].tolist() == held_out.users.tolist()
 
 
 def test_errors(tmp_path):
@@ -171,16 +179,109 @@ def test_errors(tmp_path):
     with pytest.raises(DataFormatError, match=r"x.txt, line 2: not a MovieLens ratings line"):
         load_movielens_ratings(p)
     path = write(tmp_path / "u1.test", ok, "tab")
-    most = max(r[0] for r in ok)
-    with pytest.raises(ValueError, match=rf"has user id {most} but num_users=2; .*pass "
-                                         rf"num_users>={most + 1}"):
-        MovieLensReader(path, batch_size=2, num_users=2)
+    other = max(r[0] for r in ok) + 1
+    with pytest.raises(ValueError, match=rf"u1.test: user id {ok[0][0]} is not in user_ids \(the "
+                                         r"1 raw ids of the table rows\); .*movielens_ids"):
+        MovieLensReader(path, batch_size=2, user_ids=[other])
+    with pytest.raises(ValueError, match=r"item_ids holds repeated ids"):
+        MovieLensReader(path, batch_size=2, item_ids=[3, 3])
 
 
-def test_empty_file_and_header_only(tmp_path):
-    (tmp_path / "e.dat").write_text("\n")
-    assert len(load_movielens_ratings(tmp_path / "e.dat")) == 0
-    header_only = write(tmp_path / "ratings.csv", [], "csv")
-    ratings = load_movielens_ratings(header_only)
-    assert isinstance(ratings, MovieLensRatings) and len(ratings) == 0
-    assert list(MovieLensReader(ratings, batch_size=4)) == []
+@pytest.mark.parametrize("text,what", [("", "it is empty"), ("\n \n", "it is empty"),
+                                       ("userId,movieId,rating,timestamp\n", "only a header")])
+def test_error_file_without_ratings(tmp_path, text, what):
+    (tmp_path / "ratings.csv").write_text(text)
+    with pytest.raises(DataFormatError, match=rf"ratings.csv holds no ratings \({what}\); pass"):
+        load_movielens_ratings(tmp_path / "ratings.csv")
+    empty = MovieLensRatings(*(np.zeros((0,), t) for t in (np.int64, np.int64, np.float32,
+                                                          np.int64)))
+    with pytest.raises(ValueError, match=r"the ratings: no ratings at all"):
+        MovieLensReader(empty, batch_size=4)
+
+
+def test_error_drop_leaves_no_batch(tmp_path):
+    path = write(tmp_path / "u.data", make_ratings(3, seed=5), "tab")
+    with pytest.raises(ValueError, match=r"u.data: batch_size=4 is larger than its 3 ratings, "
+                                         r"and last_batch='drop' drops them all"):
+        MovieLensReader(path, batch_size=4, last_batch="drop")
+
+
+def test_error_directory_and_unreadable_file(tmp_path, monkeypatch):
+    with pytest.raises(DataFileError, match=r"is a directory; pass u.data / u1.base"):
+        load_movielens_ratings(tmp_path)
+    path = write(tmp_path / "u.data", make_ratings(3, seed=6), "tab")
+    real_open = open
+
+    def no_permission(file, *args, **kwargs):  # chmod does not stop root, which CI may be
+        if Path(file) == path:
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_permission)
+    with pytest.raises(DataFileError, match=r"u.data cannot be read \(Permission denied\)"):
+        load_movielens_ratings(path)
+
+
+# -- ids are re-indexed densely; values are checked -----------------------------------------
+
+
+def test_huge_ids_get_dense_rows_and_map_back(tmp_path):
+    ratings = make_ratings(40, seed=7)
+    ratings[5] = (1500000000, 3, 4, 881250949)
+    ratings[9] = (2, 9223372036854775807, 2, 881250950)
+    path = write(tmp_path / "ratings.dat", ratings, "dat")
+    reader = MovieLensReader(path, batch_size=8)
+    assert reader.num_users == len({r[0] for r in ratings}) < 60
+    assert reader.num_items == len({r[1] for r in ratings}) < 90
+    got = [(reader.user_ids[bags(b.sparse)["user_id"][j][0]],
+            reader.item_ids[bags(b.sparse)["item_id"][j][0]]) for b in reader
+           for j in range(valid_rows(b))]
+    assert got == [(r[0], r[1]) for r in ratings]
+
+
+@pytest.mark.parametrize("max_rows", [1, 7, 1000])
+def test_max_rows_folds_the_dense_index(tmp_path, max_rows):
+    ratings = load_movielens_ratings(write(tmp_path / "u.data", make_ratings(60, seed=8), "tab"))
+    reader = MovieLensReader(ratings, batch_size=60, max_rows=max_rows)
+    distinct = np.unique(ratings.users).size
+    assert reader.num_users == min(distinct, max_rows)
+    (batch,) = reader
+    rows = [r[0] for r in bags(batch.sparse)["user_id"]]
+    assert rows == (np.searchsorted(reader.user_ids, ratings.users) % max_rows).tolist()
+    with pytest.raises(ValueError, match=r"max_rows must be >= 1, got max_rows=0"):
+        MovieLensReader(ratings, batch_size=4, max_rows=0)
+
+
+@pytest.mark.parametrize("fmt", ["tab", "dat", "csv"])
+@pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "NaN", "0", "5.5", "-1", "1e9"])
+def test_error_rating_not_on_the_star_scale(tmp_path, fmt, bad):
+    ratings = make_ratings(9, seed=9, half_stars=fmt != "tab")
+    ratings[6] = (ratings[6][0], ratings[6][1], bad, ratings[6][3])
+    path = write(tmp_path / "r.txt", ratings, fmt)
+    line = 7 + (fmt == "csv")  # the header is line 1
+    with pytest.raises(DataFormatError, match=rf"r.txt, line {line}, field rating: "
+                                              rf"{float(bad)!r} is not a rating \(MovieLens "
+                                              r"stars are finite, from 0.5 to 5.0\)"):
+        load_movielens_ratings(path)
+
+
+@pytest.mark.parametrize("field,bad,what", [
+    ("user", "-3", "-3 is negative"), ("item", "-1", "-1 is negative"),
+    ("user", "99999999999999999999", "'99999999999999999999' is out of range"),
+    ("timestamp", "-99999999999999999999", "'-99999999999999999999' is out of range"),
+])
+def test_error_bad_ids(tmp_path, field, bad, what):
+    ratings = [list(r) for r in make_ratings(6, seed=10)]
+    ratings[4][("user", "item", "rating", "timestamp").index(field)] = bad
+    path = write(tmp_path / "u.data", ratings, "tab")
+    with pytest.raises(DataFormatError, match=rf"u.data, line 5, field {field}: {what}"):
+        load_movielens_ratings(path)
+
+
+def test_error_non_finite_rating_in_memory():
+    rng = np.random.default_rng(11)
+    ratings = MovieLensRatings(rng.integers(1, 9, 6), rng.integers(1, 9, 6),
+                               rng.uniform(1, 5, 6).astype(np.float32), rng.integers(0, 9, 6))
+    ratings.ratings[3] = np.inf
+    with pytest.raises(ValueError, match=r"the ratings: rating 3 is inf, not a finite number"):
+        MovieLensReader(ratings, batch_size=2)

@@ -1,8 +1,11 @@
 """Data for recommendation models: real formats and a synthetic click log -> KJT batches.
 
 - ``CriteoReader``: Criteo Kaggle / Terabyte TSV files, streamed in chunks.
-- ``MovieLensReader``, ``load_movielens_ratings``, ``movielens_100k_split``: MovieLens
-  ratings (ML-100K ``u.data`` and splits, ML-1M/10M ``ratings.dat``, ``ratings.csv``).
+- ``MovieLensReader``, ``load_movielens_ratings``, ``movielens_100k_split``,
+  ``movielens_ids``: MovieLens ratings (ML-100K ``u.data`` and splits, ML-1M/10M
+  ``ratings.dat``, ``ratings.csv``), ids re-indexed densely.
+- ``DataFormatError`` (a malformed file, naming the line) and ``DataFileError`` (a file
+  that cannot be read), both ``ValueError`` s.
 - ``SyntheticClickLog``: Zipf ids over Criteo-like tables, jagged bags, labels from a
   hidden teacher model (``teacher_auc()`` is the ceiling), deterministic per seed.
 - ``Batch``: ``(dense, sparse, labels, mask)``, a pytree of static shapes.
@@ -10,6 +13,7 @@
 """
 
 from jaxrec.data._batch import Batch
+from jaxrec.data._batch import DataFileError
 from jaxrec.data._batch import DataFormatError
 from jaxrec.data._criteo import CRITEO_DENSE_KEYS
 from jaxrec.data._criteo import CRITEO_KAGGLE_CARDINALITIES
@@ -19,10 +23,12 @@ from jaxrec.data._criteo import dense_log1p
 from jaxrec.data._criteo import dense_log_plus3
 from jaxrec.data._movielens import MOVIELENS_100K_SPLITS
 from jaxrec.data._movielens import MOVIELENS_KEYS
+from jaxrec.data._movielens import MOVIELENS_RATING_RANGE
 from jaxrec.data._movielens import MovieLensRatings
 from jaxrec.data._movielens import MovieLensReader
 from jaxrec.data._movielens import load_movielens_ratings
 from jaxrec.data._movielens import movielens_100k_split
+from jaxrec.data._movielens import movielens_ids
 from jaxrec.data._prefetch import Prefetcher
 from jaxrec.data._synthetic import BagLengths
 from jaxrec.data._synthetic import SyntheticClickLog
@@ -34,9 +40,11 @@ __all__ = [
     "CRITEO_SPARSE_KEYS",
     "MOVIELENS_100K_SPLITS",
     "MOVIELENS_KEYS",
+    "MOVIELENS_RATING_RANGE",
     "BagLengths",
     "Batch",
     "CriteoReader",
+    "DataFileError",
     "DataFormatError",
     "MovieLensRatings",
     "MovieLensReader",
@@ -47,4 +55,5 @@ __all__ = [
     "dense_log_plus3",
     "load_movielens_ratings",
     "movielens_100k_split",
+    "movielens_ids",
 ]

@@ -25,7 +25,9 @@ host arrays.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import NamedTuple
 
 import jax
@@ -38,6 +40,36 @@ LAST_BATCH_POLICIES = ("pad", "drop")
 
 class DataFormatError(ValueError):
     """A data file that does not follow its format; the message names the file and line."""
+
+
+class DataFileError(ValueError, OSError):
+    """A data file that cannot be read at all: a directory, no read permission, a damaged
+    ``.gz``. The message names the file and the fix. It is an ``OSError`` (what it is) and a
+    ``ValueError`` (bad input, like ``DataFormatError``), so either ``except`` catches it."""
+
+
+def check_data_file(path: str | os.PathLike, what: str, hint: str) -> Path:
+    """``path`` as a ``Path`` once it is known to be a readable file.
+
+    Raises ``FileNotFoundError`` (``"{what} not found: {path}; {hint}"``) or
+    ``DataFileError`` (a directory, or a file that cannot be opened), at construction
+    rather than in the middle of a run.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{what} not found: {path}; {hint}")
+    if not path.is_file():
+        kind = "a directory" if path.is_dir() else "not a regular file"
+        raise DataFileError(f"{path} is {kind}; {hint}")
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise DataFileError(
+            f"{path} cannot be read ({e.strerror or e}); check its permissions, or copy it "
+            "somewhere readable."
+        ) from None
+    return path
 
 
 class Batch(NamedTuple):

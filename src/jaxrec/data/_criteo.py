@@ -10,8 +10,12 @@ Decisions, as in the reference DLRM / TorchRec preprocessing:
 
 * **Missing integer** -> 0, then the dense transform. The transform is explicit and a
   parameter: ``dense_log1p`` (default, DLRM's ``log(1 + max(x, 0))``; negatives such as
-  -1 become 0), ``dense_log_plus3`` (TorchRec's ``log(x + 3)``), ``None`` (raw values as
-  float32) or any callable ``int64[n, 13] -> float[n, 13]``.
+  -1 become 0), ``dense_log_plus3`` (TorchRec's ``log(x + 3)``, with values below Kaggle's
+  minimum -2 clamped to -2, where the log would be -inf or NaN), ``None`` (raw values as
+  float32) or any callable ``int64[n, 13] -> float[n, 13]``. Its output must be finite: a
+  NaN or infinity is an error naming the line, never a silent NaN in the model.
+* **Integers beyond int64** (such as ``99999999999999999999999``) are an error naming the
+  line and field: no count is that large, so the line is damaged.
 * **Hashing**: ``id = int(hex, 16) % num_embeddings_per_feature[j]`` (unsigned; up to 16
   hex digits).
 * **Missing category**: ``missing_category="zero"`` (default) hashes the empty string as 0,
@@ -23,6 +27,10 @@ Decisions, as in the reference DLRM / TorchRec preprocessing:
   ``last_batch="pad"`` (default) pads a partial last batch (mask 0, empty bags, zeros);
   ``"drop"`` drops it. Rows of several files run on into each other (no per-file padding).
 * **Blank lines** are skipped (they still count in the line numbers of error messages).
+* **Nothing to read is an error**: a file with no rows (empty, or blank lines only), a
+  damaged or truncated ``.gz`` (``DataFormatError``), and ``last_batch="drop"`` with fewer
+  rows than ``batch_size`` in all files (``ValueError``), so that a training loop that
+  re-reads the files never spins over empty passes.
 
 Streaming: files are read ``read_chunk_rows`` lines at a time (plain or ``.gz``) and parsed
 with NumPy, so memory stays bounded whatever the file size. Throughput is ~110,000 rows/s
@@ -35,6 +43,7 @@ from __future__ import annotations
 import gzip
 import itertools
 import os
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -44,6 +53,7 @@ from jaxrec.data._batch import Batch
 from jaxrec.data._batch import DataFormatError
 from jaxrec.data._batch import batch_from_ids
 from jaxrec.data._batch import check_batch_size
+from jaxrec.data._batch import check_data_file
 from jaxrec.data._batch import check_last_batch
 from jaxrec.data._batch import check_table_sizes
 from jaxrec.data._batch import rebatch
@@ -75,12 +85,24 @@ def dense_log1p(x: np.ndarray) -> np.ndarray:
 
 
 def dense_log_plus3(x: np.ndarray) -> np.ndarray:
-    """TorchRec's dense transform: ``log(x + 3)`` as float32 (Kaggle's minimum is -2)."""
-    return np.log(np.asarray(x, np.float64) + 3.0).astype(np.float32)
+    """TorchRec's dense transform: ``log(x + 3)`` as float32. Values below Kaggle's minimum
+    -2 are clamped to -2 (giving 0), where the log would be -inf (-3) or NaN (below)."""
+    return np.log(np.maximum(np.asarray(x, np.float64), -2.0) + 3.0).astype(np.float32)
 
 
 def _open(path: Path):
     return gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")
+
+
+def _read_lines(f, path: Path, count: int) -> list[bytes]:
+    """Up to ``count`` lines of ``f``; a damaged ``.gz`` is a ``DataFormatError``."""
+    try:
+        return list(itertools.islice(f, count))
+    except (OSError, EOFError, zlib.error) as e:  # BadGzipFile is an OSError
+        raise DataFormatError(
+            f"{path}: not a readable gzip file ({type(e).__name__}: {e}); it is damaged or "
+            "truncated (download it again), or a plain TSV file named .gz (rename it)."
+        ) from None
 
 
 def _check_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[Path, ...]:
@@ -90,16 +112,11 @@ def _check_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tupl
     if not paths:
         raise ValueError("paths is empty; pass the path of a Criteo TSV file (or a list).")
     for p in paths:
-        if not p.exists():
-            raise FileNotFoundError(
-                f"Criteo TSV file not found: {p}; pass the path of a Kaggle train.txt or a "
-                "Terabyte day_N file (plain or .gz)."
-            )
-        if not p.is_file():
-            raise IsADirectoryError(
-                f"{p} is not a file; pass the TSV files themselves, e.g. "
-                f"sorted({str(p)!r}.glob('day_*'))."
-            )
+        check_data_file(
+            p, "Criteo TSV file",
+            "pass the path of a Kaggle train.txt or a Terabyte day_N file (plain or .gz), or "
+            f"for a folder its files, e.g. sorted(Path({str(p)!r}).glob('day_*')).",
+        )
     return paths
 
 
@@ -119,7 +136,9 @@ class CriteoReader:
       read_chunk_rows: lines read and parsed at a time.
 
     Raises ``DataFormatError`` (a ``ValueError``) naming the file, line and field of a
-    malformed line, and ``FileNotFoundError`` for a missing file (at construction).
+    malformed line, or the file with no rows or a damaged ``.gz``; ``FileNotFoundError``
+    for a missing file and ``DataFileError`` for a directory or an unreadable file (both
+    at construction).
     """
 
     keys = CRITEO_SPARSE_KEYS
@@ -156,32 +175,55 @@ class CriteoReader:
 
     def __iter__(self) -> Iterator[Batch]:
         chunks = self.iter_rows()
+        num_rows, any_batch = 0, False
+
+        def counted():
+            nonlocal num_rows
+            for chunk in chunks:
+                num_rows += chunk[0].shape[0]
+                yield chunk
+
         try:
-            batches = rebatch(chunks, self.batch_size, self.last_batch)
+            batches = rebatch(counted(), self.batch_size, self.last_batch)
             for (labels, dense, ids), num_valid in batches:
+                any_batch = True
                 yield batch_from_ids(self.keys, ids, dense, labels, num_valid)
         finally:
             chunks.close()
+        if not any_batch:  # only "drop" gets here: every file has rows
+            raise ValueError(
+                f"{_names(self.paths)}: {num_rows} rows in all, fewer than batch_size="
+                f"{self.batch_size}, and last_batch='drop' drops them all; pass a smaller "
+                "batch_size or last_batch='pad'."
+            )
 
     def iter_rows(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Chunks of parsed rows on the host, before batching: ``(labels float32[n],
-        dense float32[n, 13], ids int64[n, 26])``, ids already hashed (-1 = empty bag)."""
+        dense float32[n, 13], ids int64[n, 26])``, ids already hashed (-1 = empty bag).
+        A file with no rows is a ``DataFormatError``."""
         table_sizes = np.asarray(self.table_sizes, np.uint64)
         for path in self.paths:
+            num_rows = 0
             with _open(path) as f:
                 first_line = 1
-                while True:
-                    lines = list(itertools.islice(f, self.read_chunk_rows))
-                    if not lines:
-                        break
+                while lines := _read_lines(f, path, self.read_chunk_rows):
                     labels, raw_dense, ids = parse_lines(
                         lines, table_sizes, path=path, first_line=first_line,
                         missing=-1 if self.missing_category == "empty" else 0,
                     )
+                    dense = self._transform(raw_dense, lines, path, first_line)
                     first_line += len(lines)
-                    yield labels, self._transform(raw_dense), ids
+                    num_rows += labels.shape[0]
+                    yield labels, dense, ids
+            if num_rows == 0:
+                raise DataFormatError(
+                    f"{path} holds no rows (it is empty or has only blank lines); pass a "
+                    "Criteo TSV file with data, or leave this one out."
+                )
 
-    def _transform(self, raw: np.ndarray) -> np.ndarray:
+    def _transform(
+        self, raw: np.ndarray, lines: list[bytes], path: Path, first_line: int
+    ) -> np.ndarray:
         if self.dense_transform is None:
             return raw.astype(np.float32)
         out = np.asarray(self.dense_transform(raw))
@@ -190,7 +232,26 @@ class CriteoReader:
                 f"dense_transform must keep the shape {raw.shape} of its input, returned "
                 f"shape {out.shape}."
             )
-        return out.astype(np.float32)
+        out = out.astype(np.float32)
+        finite = np.isfinite(out)
+        if not finite.all():
+            r, c = np.argwhere(~finite)[0]
+            raise DataFormatError(
+                f"{path}, line {_row_lines(lines, first_line)[r]}, field "
+                f"{CRITEO_DENSE_KEYS[c]}: dense_transform maps {int(raw[r, c])} to "
+                f"{out[r, c]}, not a finite number; clamp such values in the transform "
+                "(as dense_log1p and dense_log_plus3 do), or fix or remove this line."
+            )
+        return out
+
+
+def _names(paths: Sequence[Path]) -> str:
+    return str(paths[0]) if len(paths) == 1 else f"the {len(paths)} files {paths[0]}, ..."
+
+
+def _row_lines(lines: list[bytes], first_line: int) -> list[int]:
+    """The line number of each row (non-blank line) of a chunk."""
+    return [first_line + i for i, line in enumerate(lines) if line.rstrip(b"\r\n")]
 
 
 def parse_lines(
@@ -207,9 +268,7 @@ def parse_lines(
     rows = [line for line in stripped if line]  # blank lines are skipped
 
     def line_of(row: int) -> int:
-        if len(rows) == len(stripped):
-            return first_line + row
-        return first_line + [i for i, line in enumerate(stripped) if line][row]
+        return _row_lines(lines, first_line)[row]  # the error path only
 
     bad = next((r for r, row in enumerate(rows) if row.count(b"\t") != _NUM_FIELDS - 1), None)
     if bad is not None:
@@ -250,32 +309,44 @@ def parse_lines(
     try:
         dense = np.where(dense_raw == b"", b"0", dense_raw).astype(np.int64)
     except (ValueError, OverflowError):
+        problem, r, c = next(
+            (p, r, c) for r, c in np.ndindex(*dense_raw.shape)
+            if (p := _int64_problem(dense_raw[r, c])) is not None
+        )
         bad = np.zeros(dense_raw.shape, bool)
-        for r, c in np.ndindex(*dense_raw.shape):
-            bad[r, c] = not _is_int(dense_raw[r, c])
-        fail(bad, 1, "is not an integer (I1..I13 hold integers such as 5 or -1, or nothing)")
+        bad[r, c] = True
+        fail(bad, 1, problem)
 
     cats = np.ascontiguousarray(table[:, 1 + CRITEO_NUM_DENSE :])
     ids = _hash_hex(cats, table_sizes, missing, lambda bad, what: fail(bad, 14, what))
     return labels, dense, ids
 
 
-def _is_int(field: bytes) -> bool:
+_INT64 = np.iinfo(np.int64)
+
+
+def _int64_problem(field: bytes) -> str | None:
+    """What makes a dense field unreadable as an int64, or None if nothing does."""
     try:
-        int(field or b"0")
+        value = int(field or b"0")
     except ValueError:
-        return False
-    return True
+        return "is not an integer (I1..I13 hold integers such as 5 or -1, or nothing)"
+    if not _INT64.min <= value <= _INT64.max:
+        return ("is out of range (I1..I13 hold counts, at most 2**63 - 1; a value this "
+                "large means a damaged line)")
+    return None
 
 
 def _hash_hex(cats: np.ndarray, table_sizes: np.ndarray, missing: int, fail) -> np.ndarray:
     """``int(hex, 16) % size`` for an ``S``-array [n, 26] of hex strings, vectorized."""
     n, f = cats.shape
+    if cats.dtype.itemsize > _MAX_HEX_DIGITS:  # wide for a long dense field, or a long hash
+        too_long = np.char.str_len(cats) > _MAX_HEX_DIGITS
+        if too_long.any():
+            fail(too_long, f"is longer than {_MAX_HEX_DIGITS} hex digits (C1..C26 hold "
+                           "hashes such as '05db9164')")
+        cats = cats.astype(f"S{_MAX_HEX_DIGITS}")
     width = cats.dtype.itemsize
-    if width > _MAX_HEX_DIGITS:
-        fail(np.char.str_len(cats) > _MAX_HEX_DIGITS,
-             f"is longer than {_MAX_HEX_DIGITS} hex digits (C1..C26 hold hashes such as "
-             "'05db9164')")
     nibbles = _HEX_LUT[cats.view(np.uint8).reshape(n, f, width)]
     bad = (nibbles == -1).any(axis=2)
     # NUL bytes inside a field (not trailing padding) are not hex either

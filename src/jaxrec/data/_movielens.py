@@ -13,12 +13,19 @@ Decisions:
 
 * **Loaded, not streamed**: the largest of these files (ML-25M) has 25M lines, ~650 MB;
   ``load_movielens_ratings`` parses a whole file with NumPy into four arrays.
-* **Ids used as they are** in the files (they start at 1, so row 0 of each table is never
-  used). Remapping per file would give a base split and its test split different ids for
-  one user; raw ids keep every split of one data set in the same rows. Tables need
-  ``max id + 1`` rows: ML-100K 944 users x 1683 items, ML-1M 6041 x 3953,
-  ML-10M 71568 x 65134. Pass ``num_users`` / ``num_items`` to fix the sizes (then an id
-  ``>=`` the size is an error); by default they are the file's ``max id + 1``.
+* **Ids re-indexed densely**, as every MovieLens loader does: the raw ids (any
+  non-negative int64; a stray ``1500000000`` does not make a table of 1.5e9 rows) in sorted
+  order are the table rows ``0 .. n-1``. ``MovieLensReader.user_ids`` / ``item_ids`` hold
+  the raw ids in row order, to map predictions back. Splits of one data set must share the
+  rows of a user: build the ids once from all of them with ``movielens_ids(train, test)``
+  and pass them to each reader (an id missing from them is an error).
+* **max_rows** caps each table as ``CriteoReader``'s sizes do: the dense index ``i`` lands
+  in row ``i % max_rows`` (ids beyond the cap share rows, as hashed Criteo ids do).
+* **Ratings must be finite and on the star scale** ``[0.5, 5]`` (ML-100K and ML-1M use
+  whole stars 1..5, the later sets half stars): ``nan``, ``inf``, ``7`` or a negative id
+  is a ``DataFormatError`` naming the file, line and value, never a model that fails later.
+* **Nothing to read is an error**: a file with no ratings, and ``last_batch="drop"`` with
+  fewer ratings than ``batch_size``, so that a loop over passes never spins on empty ones.
 * Batches: ``sparse`` keys ``("user_id", "item_id")``, one id each, capacity ``2 * B``;
   ``labels`` the ratings (float32); ``dense`` float32[B, 0]; ``last_batch`` as in
   ``CriteoReader`` (``"pad"`` with mask 0, or ``"drop"``).
@@ -37,11 +44,16 @@ from jaxrec.data._batch import Batch
 from jaxrec.data._batch import DataFormatError
 from jaxrec.data._batch import batch_from_ids
 from jaxrec.data._batch import check_batch_size
+from jaxrec.data._batch import check_data_file
 from jaxrec.data._batch import check_last_batch
 from jaxrec.data._batch import rebatch
 
 MOVIELENS_KEYS = ("user_id", "item_id")
 MOVIELENS_100K_SPLITS = ("u1", "u2", "u3", "u4", "u5", "ua", "ub")
+MOVIELENS_RATING_RANGE = (0.5, 5.0)
+"""The star scale of every MovieLens data set (half stars from ML-10M on)."""
+_HINT = ("pass u.data / u1.base (ML-100K), ratings.dat (ML-1M, ML-10M) or ratings.csv "
+         "(ML-20M and later).")
 _FORMATS = {b"::": "ML-1M/10M ratings.dat", b"\t": "ML-100K u.data", b",": "ratings.csv"}
 
 
@@ -73,18 +85,17 @@ def movielens_100k_split(directory: str | os.PathLike, split: str) -> tuple[Path
 
 
 def load_movielens_ratings(path: str | os.PathLike) -> MovieLensRatings:
-    """Loads a whole ratings file (format detected; see the module docstring)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"MovieLens ratings file not found: {path}; pass u.data / u1.base (ML-100K), "
-            "ratings.dat (ML-1M, ML-10M) or ratings.csv (ML-20M and later)."
-        )
-    data = path.read_bytes()
-    lines = data.splitlines()
+    """Loads a whole ratings file (format detected; see the module docstring).
+
+    Raises ``FileNotFoundError``, ``DataFileError`` (a directory, an unreadable file) or
+    ``DataFormatError`` naming the line and field of a malformed line or value, or the file
+    when it holds no ratings.
+    """
+    path = check_data_file(path, "MovieLens ratings file", _HINT)
+    lines = path.read_bytes().splitlines()
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is None:
-        return _parse_fast([], b"\t")
+        raise DataFormatError(f"{path} holds no ratings (it is empty); {_HINT}")
     sep = next((s for s in _FORMATS if s in lines[first]), None)
     if sep is None:
         raise DataFormatError(
@@ -96,21 +107,23 @@ def load_movielens_ratings(path: str | os.PathLike) -> MovieLensRatings:
     start = first
     if sep == b"," and not lines[first].split(b",")[0].strip().isdigit():
         start = first + 1  # the CSV header
-    body = lines[start:]
+    numbers = [start + 1 + i for i, line in enumerate(lines[start:]) if line.strip()]
+    body = [lines[n - 1] for n in numbers]
+    if not body:
+        raise DataFormatError(f"{path} holds no ratings (only a header); {_HINT}")
     try:
-        return _parse_fast(body, sep)
-    except ValueError:
-        _raise_first_error(body, sep, path, start + 1)
+        ratings = _parse_fast(body, sep)
+    except (ValueError, OverflowError):
+        _raise_first_error(body, sep, path, numbers)
         raise  # pragma: no cover - _raise_first_error always raises here
+    _check_values(ratings, path, numbers)
+    return ratings
 
 
 def _parse_fast(lines: list[bytes], sep: bytes) -> MovieLensRatings:
-    lines = [line for line in lines if line.strip()]
+    """Non-blank lines -> arrays; ``ValueError``/``OverflowError`` on any bad field."""
     if not all(line.count(sep) == 3 for line in lines):
         raise ValueError("a line without 4 fields")
-    if not lines:
-        empty = np.zeros((0,), np.int64)
-        return MovieLensRatings(empty, empty, np.zeros((0,), np.float32), empty)
     fields = b"\n".join(lines).replace(sep, b"\n").split(b"\n")
     table = np.array(fields, dtype=np.bytes_).reshape(-1, 4)
     return MovieLensRatings(
@@ -121,13 +134,14 @@ def _parse_fast(lines: list[bytes], sep: bytes) -> MovieLensRatings:
     )
 
 
-def _raise_first_error(lines: list[bytes], sep: bytes, path: Path, first_line: int) -> None:
+_NAMES = ("user", "item", "rating", "timestamp")
+_INT64 = np.iinfo(np.int64)
+
+
+def _raise_first_error(lines: list[bytes], sep: bytes, path: Path, numbers: list[int]) -> None:
     """Finds the first malformed line (the slow way) and raises a precise error."""
-    names = ("user", "item", "rating", "timestamp")
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        where = f"{path}, line {first_line + i}"
+    for number, line in zip(numbers, lines):
+        where = f"{path}, line {number}"
         fields = line.split(sep)
         if len(fields) != 4:
             raise DataFormatError(
@@ -135,30 +149,75 @@ def _raise_first_error(lines: list[bytes], sep: bytes, path: Path, first_line: i
                 f"{sep.decode()!r} ({_FORMATS[sep]}), found {len(fields)}: "
                 f"{line[:80].decode('utf-8', 'replace')!r}; fix or remove this line."
             )
-        for name, field in zip(names, fields):
+        for name, field in zip(_NAMES, fields):
+            text = field.decode("utf-8", "replace")
             try:
-                float(field) if name == "rating" else int(field)
+                value = float(field) if name == "rating" else int(field)
             except ValueError:
                 kind = "a number" if name == "rating" else "an integer"
                 raise DataFormatError(
-                    f"{where}, field {name}: {field.decode('utf-8', 'replace')!r} is not "
-                    f"{kind}; fix or remove this line."
+                    f"{where}, field {name}: {text!r} is not {kind}; fix or remove this line."
                 ) from None
+            if name != "rating" and not _INT64.min <= value <= _INT64.max:
+                raise DataFormatError(
+                    f"{where}, field {name}: {text!r} is out of range (at most 2**63 - 1); "
+                    "fix or remove this line."
+                )
     raise DataFormatError(f"{path}: could not parse the ratings; check the file format.")
 
 
-def _table_size(given: int | None, ids: np.ndarray, name: str, path: str) -> int:
-    needed = int(ids.max()) + 1 if ids.size else 1
-    if ids.size and ids.min() < 0:
-        raise DataFormatError(f"{path}: negative {name} id {int(ids.min())}.")
+def _check_values(ratings: MovieLensRatings, path: Path, numbers: list[int]) -> None:
+    """Ids >= 0 and ratings on the star scale, else an error naming the first bad line."""
+    low, high = MOVIELENS_RATING_RANGE
+    checks = (
+        ("user", ratings.users, ratings.users < 0, "is negative (ids are >= 0)"),
+        ("item", ratings.items, ratings.items < 0, "is negative (ids are >= 0)"),
+        ("rating", ratings.ratings, ~((ratings.ratings >= low) & (ratings.ratings <= high)),
+         f"is not a rating (MovieLens stars are finite, from {low} to {high})"),
+    )
+    for name, values, bad, what in checks:
+        if bad.any():
+            row = int(np.argmax(bad))
+            raise DataFormatError(
+                f"{path}, line {numbers[row]}, field {name}: {values[row].item()!r} {what}; "
+                "fix or remove this line."
+            )
+
+
+def movielens_ids(*ratings: MovieLensRatings) -> tuple[np.ndarray, np.ndarray]:
+    """``(user_ids, item_ids)``: the sorted distinct raw ids over all ``ratings`` (e.g. the
+    train and test splits), to pass to every ``MovieLensReader`` of one data set."""
+    if not ratings:
+        raise ValueError("movielens_ids needs at least one MovieLensRatings.")
+    users = np.unique(np.concatenate([r.users for r in ratings]))
+    items = np.unique(np.concatenate([r.items for r in ratings]))
+    return users, items
+
+
+def _vocabulary(given: np.ndarray | None, ids: np.ndarray, arg: str) -> np.ndarray:
+    """The raw ids of the table rows, in row order (default: ``ids``' distinct, sorted)."""
     if given is None:
-        return needed
-    if given < needed:
+        return np.unique(ids)
+    vocab = np.asarray(given)
+    if vocab.ndim != 1 or vocab.size == 0 or not np.issubdtype(vocab.dtype, np.integer):
+        raise ValueError(f"{arg} must be a non-empty 1-D array of integer ids, got {given!r}.")
+    if np.unique(vocab).size != vocab.size:
+        raise ValueError(f"{arg} holds repeated ids; pass each raw id once (movielens_ids).")
+    return vocab.astype(np.int64)
+
+
+def _rows(vocab: np.ndarray, ids: np.ndarray, name: str, source: str) -> np.ndarray:
+    """The dense index of each raw id in ``vocab``; an id missing from it is an error."""
+    order = np.argsort(vocab, kind="stable")
+    pos = np.minimum(np.searchsorted(vocab[order], ids), vocab.size - 1)
+    missing = vocab[order][pos] != ids
+    if missing.any():
         raise ValueError(
-            f"{path} has {name} id {needed - 1} but num_{name}s={given}; ids are used as "
-            f"they are in the file, so pass num_{name}s>={needed}."
+            f"{source}: {name} id {int(ids[np.argmax(missing)])} is not in {name}_ids (the "
+            f"{vocab.size} raw ids of the table rows); build them from every split with "
+            "movielens_ids(train, test) and pass them to each reader."
         )
-    return int(given)
+    return order[pos]
 
 
 class MovieLensReader:
@@ -167,10 +226,16 @@ class MovieLensReader:
     Args:
       source: a ratings file path, or ``MovieLensRatings`` already loaded.
       batch_size: ratings per batch (B).
-      num_users, num_items: table sizes (default: the data's ``max id + 1``); ids are the
-        file's own (see the module docstring).
+      user_ids, item_ids: the raw ids of the table rows, in row order (default: the
+        source's distinct ids, sorted); pass ``movielens_ids(train, test)`` to every split.
+      max_rows: caps each table; the dense index ``i`` uses row ``i % max_rows``.
       shuffle_seed: ``None`` keeps file order; an int shuffles (the same order each pass).
       last_batch: ``"pad"`` (pad with mask 0) or ``"drop"`` a partial last batch.
+
+    Attributes ``num_users`` / ``num_items`` are the table sizes, ``user_ids`` /
+    ``item_ids`` the raw ids (the id of row ``r`` is ``user_ids[r]`` when nothing is
+    folded). An empty source, a non-finite rating or ``"drop"`` with fewer ratings than
+    ``batch_size`` is a ``ValueError`` here, not an empty pass later.
     """
 
     keys = MOVIELENS_KEYS
@@ -180,8 +245,9 @@ class MovieLensReader:
         source: str | os.PathLike | MovieLensRatings,
         *,
         batch_size: int,
-        num_users: int | None = None,
-        num_items: int | None = None,
+        user_ids: np.ndarray | None = None,
+        item_ids: np.ndarray | None = None,
+        max_rows: int | None = None,
         shuffle_seed: int | None = None,
         last_batch: str = "pad",
     ):
@@ -189,11 +255,25 @@ class MovieLensReader:
             self.ratings, name = source, "the ratings"
         else:
             self.ratings, name = load_movielens_ratings(source), str(source)
+        _check_in_memory(self.ratings, name)
         self.batch_size = check_batch_size(batch_size)
-        self.num_users = _table_size(num_users, self.ratings.users, "user", name)
-        self.num_items = _table_size(num_items, self.ratings.items, "item", name)
-        self.shuffle_seed = shuffle_seed
         self.last_batch = check_last_batch(last_batch)
+        self.max_rows = None if max_rows is None else check_batch_size(max_rows, "max_rows")
+        self.user_ids = _vocabulary(user_ids, self.ratings.users, "user_ids")
+        self.item_ids = _vocabulary(item_ids, self.ratings.items, "item_ids")
+        self.num_users = min(self.user_ids.size, self.max_rows or self.user_ids.size)
+        self.num_items = min(self.item_ids.size, self.max_rows or self.item_ids.size)
+        self._rows = np.stack([  # index % size folds exactly the indices >= max_rows
+            _rows(self.user_ids, self.ratings.users, "user", name) % self.num_users,
+            _rows(self.item_ids, self.ratings.items, "item", name) % self.num_items,
+        ], axis=1)
+        self.shuffle_seed = shuffle_seed
+        if len(self) == 0:
+            raise ValueError(
+                f"{name}: batch_size={self.batch_size} is larger than its "
+                f"{len(self.ratings)} ratings, and last_batch='drop' drops them all; pass a "
+                "smaller batch_size or last_batch='pad'."
+            )
 
     def __len__(self) -> int:
         """Batches per pass."""
@@ -201,13 +281,24 @@ class MovieLensReader:
         return n // b if self.last_batch == "drop" else -(-n // b)
 
     def __iter__(self) -> Iterator[Batch]:
-        r = self.ratings
-        ids = np.stack([r.users, r.items], axis=1)
-        labels = r.ratings
+        ids, labels = self._rows, self.ratings.ratings
         if self.shuffle_seed is not None:
-            order = np.random.default_rng(self.shuffle_seed).permutation(len(r))
+            order = np.random.default_rng(self.shuffle_seed).permutation(len(labels))
             ids, labels = ids[order], labels[order]
-        dense = np.zeros((len(r), 0), np.float32)
+        dense = np.zeros((len(labels), 0), np.float32)
         chunks = [(labels, dense, ids)]
         for (lab, den, idx), num_valid in rebatch(chunks, self.batch_size, self.last_batch):
             yield batch_from_ids(self.keys, idx, den, lab, num_valid)
+
+
+def _check_in_memory(ratings: MovieLensRatings, name: str) -> None:
+    """Ratings built in memory skip the loader's checks: the ones a model needs."""
+    if len(ratings) == 0:
+        raise ValueError(f"{name}: no ratings at all; pass a ratings file or split with data.")
+    bad = ~np.isfinite(ratings.ratings)
+    if bad.any():
+        row = int(np.argmax(bad))
+        raise ValueError(
+            f"{name}: rating {row} is {ratings.ratings[row]}, not a finite number; drop or "
+            "fix it before training."
+        )
