@@ -19,7 +19,7 @@ from jaxrec.nn._embedding_bag_collection import EmbeddingBagCollection
 from jaxrec.nn._embedding_collection import EmbeddingCollection
 from jaxrec.nn._layers import MLP, LowRankCrossNet
 from jaxrec.nn._tables import FusedTables
-from jaxrec.nn._train import PartitionedOptimizer, make_train_step
+from jaxrec.nn._train import PartitionedOptimizer, TrainStep, make_train_step
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 
 __all__ = [
@@ -34,4 +34,5 @@ __all__ = [
     "TTConfig",
     "TTEmbeddingBag",
     "make_train_step",
+    "TrainStep",
 ]

@@ -28,7 +28,8 @@ import jax
 import optax
 from flax import nnx
 
-from jaxrec import optim
+from jaxrec import _step_guard, optim
+from jaxrec._step_guard import StepMonitor
 from jaxrec.nn._split_cache import (
     SplitCache,
     raw_values,
@@ -75,7 +76,62 @@ class PartitionedOptimizer:
         self._opt_state, self._flat = None, (treedef, leaves)
 
 
-def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
+class TrainStep:
+    """``train_step(model, optimizer, *batch) -> loss``, built by ``make_train_step``.
+
+    ``check()`` raises what the last step found (each step is checked one call later, so
+    the host never waits for the device: a ``NonFiniteError`` or a FATAL bounds-check
+    ``ValueError``, the step's update skipped). ``stats()``: host ints ``steps``,
+    ``nonfinite_steps`` and ``ids_corrected`` (WARNING bounds checks) so far.
+    """
+
+    def __init__(self, loss_fn, *, has_aux: bool, donate: bool, on_nonfinite: str):
+        self._loss_fn, self._has_aux, self._donate = loss_fn, has_aux, donate
+        self._policy = on_nonfinite
+        self._monitor = StepMonitor(on_nonfinite)
+        self._splits = SplitCache()
+        self._compiled = functools.cache(self._compile)
+
+    def _compile(self, graphdef, tx):
+        loss_fn, has_aux = self._loss_fn, self._has_aux
+
+        def pure_loss(params, tables, rest, *batch):
+            model = nnx.merge(graphdef, params, tables, rest)
+            out = loss_fn(model, *batch)
+            loss, aux = out if has_aux else (out, None)
+            return loss, (aux, split_for_training(model)[3])
+
+        messages: list = []
+        step = optim.guarded_update(pure_loss, tx, has_aux=True, on_nonfinite=self._policy,
+                                    messages=messages)
+        return jax.jit(step, donate_argnums=(0, 1, 2) if self._donate else ()), messages
+
+    def __call__(self, model: nnx.Module, optimizer: PartitionedOptimizer, *batch):
+        if not isinstance(optimizer, PartitionedOptimizer):
+            raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
+                            f"{type(optimizer).__name__}")
+        split = self._splits.split(model)
+        compiled = split.derived.get(optimizer.tx)
+        if compiled is None:  # _compiled hashes the graphdef: once per split, not per step
+            compiled = split.derived[optimizer.tx] = self._compiled(split.graphdef, optimizer.tx)
+        step, messages = compiled
+        params, tables, rest = split.states
+        params, optimizer.opt_state, tables, (loss, (aux, rest)), stats = step(
+            params, optimizer.opt_state, tables, rest, *batch)
+        write_back(split, [raw_values(s) for s in (params, tables, rest)])
+        optimizer.step += 1
+        self._monitor.record(stats, messages)
+        return (loss, aux) if self._has_aux else loss
+
+    def check(self) -> None:
+        self._monitor.check()
+
+    def stats(self) -> dict:
+        return self._monitor.stats()
+
+
+def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True,
+                    on_nonfinite: str = "raise") -> TrainStep:
     """``train_step(model, optimizer, *batch) -> loss`` (``(loss, aux)`` with ``has_aux``).
 
     ``loss_fn(model, *batch)`` returns the scalar loss (and ``aux``). The step updates
@@ -83,32 +139,12 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
     default) the arrays of the model's state before the step are invalid afterwards; read
     them again from the model. The model's split is kept between steps while its structure
     stays the same (``jaxrec.nn._split_cache``).
+
+    ``on_nonfinite``: ``"raise"`` (default) and ``"skip"`` leave everything as it was when
+    a step's loss or gradients are not finite; ``"raise"`` then raises ``NonFiniteError``
+    at the next call or ``train_step.check()``, ``"skip"`` counts it
+    (``train_step.stats()``). ``"ignore"`` applies every step unchecked. A FATAL bounds
+    check never updates anything and raises the same way (see ``TrainStep``).
     """
-    splits = SplitCache()
-
-    @functools.cache
-    def compiled(graphdef, tx):
-        def pure_loss(params, tables, rest, *batch):
-            model = nnx.merge(graphdef, params, tables, rest)
-            out = loss_fn(model, *batch)
-            loss, aux = out if has_aux else (out, None)
-            return loss, (aux, split_for_training(model)[3])
-
-        return optim.make_train_step(pure_loss, tx, has_aux=True, donate=donate)
-
-    def train_step(model: nnx.Module, optimizer: PartitionedOptimizer, *batch):
-        if not isinstance(optimizer, PartitionedOptimizer):
-            raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
-                            f"{type(optimizer).__name__}")
-        split = splits.split(model)
-        step = split.derived.get(optimizer.tx)
-        if step is None:  # compiled() hashes the graphdef: once per split, not per step
-            step = split.derived[optimizer.tx] = compiled(split.graphdef, optimizer.tx)
-        params, tables, rest = split.states
-        params, optimizer.opt_state, tables, (loss, (aux, rest)) = step(
-            params, optimizer.opt_state, tables, rest, *batch)
-        write_back(split, [raw_values(s) for s in (params, tables, rest)])
-        optimizer.step += 1
-        return (loss, aux) if has_aux else loss
-
-    return train_step
+    _step_guard.check_policy(on_nonfinite)
+    return TrainStep(loss_fn, has_aux=has_aux, donate=donate, on_nonfinite=on_nonfinite)

@@ -36,6 +36,7 @@ Where jaxrec differs from FBGEMM, and why:
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 from collections.abc import Sequence
@@ -45,7 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec import _ffi
+from jaxrec import _ffi, _step_guard
 
 _TARGET = "jaxrec_bounds_check_indices"
 
@@ -94,8 +95,21 @@ def bounds_check_indices(
     if mode == BoundsCheckMode.NONE:
         return BoundsCheckResult(indices, offsets, jnp.zeros((), jnp.int32))
     labels = tuple(_labels(rows.shape[0], feature_names, table_names))
-    return BoundsCheckResult(*_bounds_check(rows, indices, offsets, mode=mode, labels=labels,
-                                            backend=backend))
+    if mode == BoundsCheckMode.FATAL and _step_guard.active() is not None:
+        # Inside a train step an error must not be raised while the step runs (its donated
+        # buffers would be lost): correct as WARNING does, report, and let the step skip its
+        # update and raise afterwards (jaxrec._step_guard).
+        report = _fatal_report(rows, indices, offsets)
+        _step_guard.report_fatal(report, _FatalMessage(labels, _batch_size(rows, offsets),
+                                                       indices.shape[0]))
+        indices, offsets, _ = _bounds_check(rows, indices, offsets, mode=BoundsCheckMode.IGNORE,
+                                            labels=labels, backend=backend)
+        return BoundsCheckResult(indices, offsets, jnp.zeros((), jnp.int32))
+    result = BoundsCheckResult(*_bounds_check(rows, indices, offsets, mode=mode, labels=labels,
+                                              backend=backend))
+    if mode == BoundsCheckMode.WARNING:
+        _step_guard.report_corrected(result.num_corrected)
+    return result
 
 
 # jit caches the lowering per static configuration, so eager calls do not retrace.
@@ -141,13 +155,9 @@ def bounds_check_indices_reference(rows, indices, offsets, mode: BoundsCheckMode
     bad_id = in_bag & ((indices < 0) | (indices >= num_rows))
 
     if mode == BoundsCheckMode.FATAL:
-        first_bag = jnp.argmax(bad_bag) if num_bags else 0
-        first_id = jnp.argmax(bad_id) if n else 0
-        report = (jnp.any(bad_bag), first_bag, offsets[first_bag], offsets[first_bag + 1],
-                  jnp.any(bad_id), first_id, indices[first_id] if n else 0, safe_bag[first_id] if n else 0,
-                  num_rows[first_id] if n else 0)
+        report = _report(bad_bag, bad_id, offsets, indices, safe_bag, num_rows)
         # Raised when the computation runs (a JaxRuntimeError carrying this message).
-        jax.debug.callback(functools.partial(_raise_fatal, labels, batch_size, n), *report)
+        _step_guard.report_fatal(report, _FatalMessage(tuple(labels), batch_size, n))
         return indices, offsets, jnp.zeros((), jnp.int32)
 
     count = jnp.sum(bad_bag, dtype=jnp.int32) + jnp.sum(bad_id, dtype=jnp.int32)
@@ -155,13 +165,55 @@ def bounds_check_indices_reference(rows, indices, offsets, mode: BoundsCheckMode
     return jnp.where(bad_id, 0, indices).astype(indices.dtype), corrected, num_corrected
 
 
-def _raise_fatal(labels, batch_size, n, any_bad_bag, bag, start, end, any_bad_id, position,
-                 index, id_bag, num_rows):
-    if any_bad_bag:
-        raise ValueError(bad_offsets_message(labels, batch_size, int(bag), int(start), int(end), n))
-    if any_bad_id:
-        raise ValueError(bad_index_message(labels, batch_size, int(id_bag), int(position),
-                                           int(index), int(num_rows)))
+def _report(bad_bag, bad_id, offsets, indices, safe_bag, num_rows) -> jax.Array:
+    """FATAL's report, one vector of the ids' dtype: ``[any bad, any bad bag, bag, start,
+    end, any bad id, position, id, id's bag, rows]`` (``_FatalMessage`` reads it)."""
+    n, num_bags = indices.shape[0], offsets.shape[0] - 1
+    first_bag = jnp.argmax(bad_bag) if num_bags else 0
+    first_id = jnp.argmax(bad_id) if n else 0
+    pick = (lambda x: x[first_id]) if n else (lambda x: 0)
+    parts = (jnp.any(bad_bag) | jnp.any(bad_id), jnp.any(bad_bag), first_bag, offsets[first_bag],
+             offsets[first_bag + 1], jnp.any(bad_id), first_id, pick(indices), pick(safe_bag),
+             pick(num_rows))
+    return jnp.stack([jnp.asarray(x).astype(indices.dtype) for x in parts])
+
+
+@jax.jit
+def _fatal_report(rows, indices, offsets) -> jax.Array:
+    """FATAL's report without raising (a train step raises it after the step)."""
+    n = indices.shape[0]
+    num_bags = offsets.shape[0] - 1
+    batch_size = num_bags // rows.shape[0] if rows.shape[0] else 1
+    corrected = jax.lax.cummax(jnp.clip(offsets, 0, n))
+    start = jnp.concatenate([offsets[:1], corrected[1:-1]])
+    bad_bag = (start < 0) | (start > offsets[1:]) | (offsets[1:] > n)
+    bag = jnp.searchsorted(offsets, jnp.arange(n, dtype=indices.dtype), side="right")
+    bag = bag.astype(indices.dtype) - 1
+    safe_bag = jnp.clip(bag, 0, max(num_bags - 1, 0))
+    num_rows = rows[safe_bag // batch_size] if num_bags else jnp.zeros_like(indices)
+    bad_id = (bag >= 0) & (bag < num_bags) & ((indices < 0) | (indices >= num_rows))
+    return _report(bad_bag, bad_id, offsets, indices, safe_bag, num_rows)
+
+
+def _batch_size(rows, offsets) -> int:
+    return (offsets.shape[0] - 1) // rows.shape[0] if rows.shape[0] else 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _FatalMessage:
+    """FATAL's error text from a ``_report`` vector (after its leading "any bad")."""
+
+    labels: tuple
+    batch_size: int
+    num_indices: int
+
+    def __call__(self, any_bad, any_bad_bag, bag, start, end, any_bad_id, position, index,
+                 id_bag, num_rows) -> str:
+        if any_bad_bag:
+            return bad_offsets_message(self.labels, self.batch_size, bag, start, end,
+                                       self.num_indices)
+        return bad_index_message(self.labels, self.batch_size, id_bag, position, index, num_rows)
+
 
 
 def _where(labels: Sequence[str], batch_size: int, bag: int) -> str:

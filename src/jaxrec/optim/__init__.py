@@ -32,7 +32,8 @@ from jaxrec.optim._fused import fused_update_reference
 from jaxrec.optim.fused_update import fused_update
 from jaxrec.optim.fused_tables import FusedEmbeddingTables, fused_lookup
 from jaxrec.optim.tt_tables import TTCacheState, TTEmbeddingTables, tt_fused_lookup
-from jaxrec.optim.partitioned import fused_value_and_grad, make_train_step
+from jaxrec._step_guard import NonFiniteError, StepStats
+from jaxrec.optim.partitioned import TrainStep, fused_value_and_grad, guarded_update, make_train_step
 from jaxrec.optim._rowwise import update_rows
 from jaxrec.optim._state import (
     AdagradState,
@@ -81,6 +82,10 @@ __all__ = [
     "fused_value_and_grad",
     "init_state",
     "make_train_step",
+    "NonFiniteError",
+    "StepStats",
+    "TrainStep",
+    "guarded_update",
     "tt_fused_lookup",
     "row_offsets",
     "set_learning_rate",

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrec import _step_guard
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
 from jaxrec.ops.tbe import embedding_bag_lookup
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode, init_weights
@@ -88,9 +89,14 @@ class FusedEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine: no recompile)."""
         return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
 
-    def after_fused_update(self, updated: FusedEmbeddingTables) -> FusedEmbeddingTables:
-        """The tables after one fused update whose results ``updated`` carries (partitioned.py)."""
-        return FusedEmbeddingTables(updated.weights, updated.state._replace(step=self.state.step + 1),
+    def after_fused_update(self, updated: FusedEmbeddingTables,
+                           applied: jax.Array | None = None) -> FusedEmbeddingTables:
+        """The tables after one fused update whose results ``updated`` carries (partitioned.py).
+
+        ``applied``: a bool scalar when a train step's guard gated the update (the kernel
+        then touched no row; the step does not advance either)."""
+        step = self.state.step + (1 if applied is None else applied.astype(self.state.step.dtype))
+        return FusedEmbeddingTables(updated.weights, updated.state._replace(step=step),
                                     self.hparams, self.layout, self.config, self.name)
 
     def set_hyperparams(self, **values) -> FusedEmbeddingTables:
@@ -156,6 +162,9 @@ def _lookup(spec: _Spec):
     def backward(residuals, grad_output):
         tables, psw, indices, offsets = residuals
         _record_update(spec.name)
+        gate = _step_guard.table_gate(spec.name, grad_output)
+        if gate is not None:  # gated off: every bag empty, so the kernel touches no row
+            offsets = jnp.where(gate, offsets, jnp.zeros_like(offsets))
         weights, state, grad_psw = _fused_update(
             tables.weights, tables.state, grad_output, indices, offsets, layout=spec.layout,
             config=spec.config, hparams=tables.hparams, pooling=spec.pooling,

@@ -26,8 +26,11 @@ from __future__ import annotations
 from collections import Counter
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import optax
 
+from jaxrec import _step_guard
 from jaxrec.optim.fused_tables import FusedEmbeddingTables, record_updates
 from jaxrec.optim.tt_tables import TTEmbeddingTables
 
@@ -47,7 +50,8 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
     ``value`` as ``jax.value_and_grad`` gives it (``(loss, aux)`` with ``has_aux``), the
     gradient of ``params``, and the tables after their fused update. Tables whose
     lookup did not reach the loss come back unchanged (step not advanced); a tables
-    object looked up more than once raises ``ValueError``.
+    object looked up more than once raises ``ValueError``. Inside a train step's guard
+    (``jaxrec._step_guard``) a table whose update was gated off also comes back unchanged.
     """
 
     def value_and_grad(params, tables, *args, **kwargs):
@@ -58,9 +62,14 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
         if clashes:
             raise ValueError(f"fused tables names must be unique within a loss; {clashes} "
                              "name several. Give each a distinct name= in its create()")
-        grad_fn = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=has_aux, allow_int=True)
+        guard = _step_guard.active()
         with record_updates() as updates:
-            value, (dense_grads, table_grads) = grad_fn(params, tables, *args, **kwargs)
+            out, vjp_fn = jax.vjp(lambda p, t: loss_fn(p, t, *args, **kwargs), params, tables)
+            loss, aux = out if has_aux else (out, None)
+            cotangent = _step_guard.seed(guard, loss)
+            dense_grads, table_grads = vjp_fn((cotangent, _zero_cotangent(aux)) if has_aux
+                                              else cotangent)
+        value = (loss, aux) if has_aux else loss
         repeated = sorted(n for n, c in updates.items() if c > 1)
         if repeated:
             raise ValueError(
@@ -71,11 +80,12 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
         if strangers:
             raise ValueError(f"fused_lookup of tables {strangers} ran inside the loss, but those tables "
                              "were not passed in its tables argument, so their update would be lost")
+        gates = guard.gates if guard is not None else {}
 
         def take(old, new):
             if not _is_tables(old) or updates.get(old.name, 0) == 0:
                 return old  # not looked up, or its output did not reach the loss
-            return old.after_fused_update(new)
+            return old.after_fused_update(new, applied=gates.get(old.name))
 
         new_tables = jax.tree.map(take, tables, table_grads, is_leaf=_is_tables)
         return value, dense_grads, new_tables
@@ -83,20 +93,87 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
     return value_and_grad
 
 
+def _zero_cotangent(tree):
+    """Zero cotangents for ``aux`` outputs (float0 for integer leaves)."""
+    def zero(x):
+        x = jnp.asarray(x)
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            return jnp.zeros_like(x)
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jax.tree.map(zero, tree)
+
+
+class TrainStep:
+    """``step(params, opt_state, tables, *batch) -> (params, opt_state, tables, value)``.
+
+    Built by ``make_train_step``. Beside the call: ``check()`` raises what the last step
+    found (steps are checked one call late, so the host never waits for the device), and
+    ``stats()`` returns ``{"steps", "nonfinite_steps", "ids_corrected"}`` as host ints.
+    """
+
+    def __init__(self, jitted, messages: list, monitor: _step_guard.StepMonitor):
+        self._jitted, self._messages, self._monitor = jitted, messages, monitor
+
+    def __call__(self, params, opt_state, tables, *batch):
+        params, opt_state, tables, value, stats = self._jitted(params, opt_state, tables, *batch)
+        self._monitor.record(stats, self._messages)
+        return params, opt_state, tables, value
+
+    def lower(self, *args):
+        """The jitted step's ``lower`` (to inspect its HLO)."""
+        return self._jitted.lower(*args)
+
+    def check(self) -> None:
+        self._monitor.check()
+
+    def stats(self) -> dict:
+        return self._monitor.stats()
+
+
+def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, has_aux: bool,
+                   on_nonfinite: str, messages: list, axis_name: str | None = None,
+                   reduce_grads=None):
+    """The pure step ``(params, opt_state, tables, *batch) -> (params, opt_state, tables,
+    value, StepStats)`` that ``make_train_step`` jits (``jaxrec.nn`` and
+    ``jaxrec.parallel`` build theirs on it). ``messages`` receives the FATAL messages of
+    the last trace, in the order of ``StepStats.fatal``. ``reduce_grads(grads)``: e.g. a
+    ``psum`` over devices, applied before optax."""
+    value_and_grad = fused_value_and_grad(loss_fn, has_aux=has_aux)
+
+    def step(params, opt_state, tables, *batch):
+        with _step_guard.tracing(on_nonfinite, axis_name) as guard:
+            value, grads, tables = value_and_grad(params, tables, *batch)
+            if reduce_grads is not None:
+                grads = reduce_grads(grads)
+            with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
+                updates, new_opt_state = dense_optimizer.update(grads, opt_state, params)
+            new = (optax.apply_updates(params, updates), new_opt_state)
+            loss = value[0] if has_aux else value
+            (params, opt_state), stats = _step_guard.finish(guard, loss, grads, new,
+                                                            (params, opt_state))
+            messages[:] = [message for _, message in guard.fatal]
+        return params, opt_state, tables, value, stats
+
+    return step
+
+
 def make_train_step(loss_fn, dense_optimizer: optax.GradientTransformation, *,
-                    has_aux: bool = False, donate: bool = True):
+                    has_aux: bool = False, donate: bool = True,
+                    on_nonfinite: str = "raise") -> TrainStep:
     """A jitted ``step(params, opt_state, tables, *batch) -> (params, opt_state, tables, value)``.
 
     ``params`` are trained by ``dense_optimizer`` (optax), ``tables`` by their fused
     optimizers; ``value`` is the loss (``(loss, aux)`` with ``has_aux``). With ``donate``
     (the default, and what you want) the step updates everything in place.
+
+    ``on_nonfinite``: a step whose loss or gradients are not finite updates nothing under
+    ``"raise"`` (the default; the next call, or ``step.check()``, raises
+    ``NonFiniteError``) and ``"skip"`` (counted in ``step.stats()``); ``"ignore"`` applies
+    it (no checks, as before). A FATAL bounds check inside the loss never updates anything
+    either and raises its ``ValueError`` the same way: the donated model stays usable.
     """
-    value_and_grad = fused_value_and_grad(loss_fn, has_aux=has_aux)
-
-    def step(params, opt_state, tables, *batch):
-        value, grads, tables = value_and_grad(params, tables, *batch)
-        with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
-            updates, opt_state = dense_optimizer.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, tables, value
-
-    return jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    messages: list = []
+    step = guarded_update(loss_fn, dense_optimizer, has_aux=has_aux, on_nonfinite=on_nonfinite,
+                          messages=messages)
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    return TrainStep(jitted, messages, _step_guard.StepMonitor(on_nonfinite))

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrec import _step_guard
 from jaxrec.ops import tt_cache as tc
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode
 from jaxrec.ops.tbe_layout import PoolingMode
@@ -183,12 +184,15 @@ class TTEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine)."""
         return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
 
-    def after_fused_update(self, updated: TTEmbeddingTables) -> TTEmbeddingTables:
-        """The tables after one fused update whose results ``updated`` carries (partitioned.py)."""
+    def after_fused_update(self, updated: TTEmbeddingTables,
+                           applied: jax.Array | None = None) -> TTEmbeddingTables:
+        """The tables after one fused update whose results ``updated`` carries (partitioned.py);
+        ``applied``: a bool scalar when a train step's guard gated the update."""
         cache = updated.cache
         if cache is not None:  # the cached ids come back as float0: only populate moves them
             cache = dataclasses.replace(cache, ids=self.cache.ids)
-        return dataclasses.replace(updated, cache=cache, step=self.step + 1, hparams=self.hparams)
+        step = self.step + (1 if applied is None else applied.astype(self.step.dtype))
+        return dataclasses.replace(updated, cache=cache, step=step, hparams=self.hparams)
 
 
 def _zero_slots(config, shape) -> dict[str, jax.Array]:
@@ -272,6 +276,9 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
                                                    indices.astype(jnp.int32), valid))
             updated = dataclasses.replace(updated, cache=dataclasses.replace(
                 counted, ids=_no_grad(tables.cache.ids)))
+        gate = _step_guard.table_gate(name, grad_output)
+        if gate is not None:  # a train step's guard gated the update off: keep every value
+            updated = _keep_unless(gate, updated, tables)
         # The updated tables take the place of the gradient; the int step has none
         # (after_fused_update increments it), nor do the hyperparameters.
         updated = dataclasses.replace(updated, step=_no_grad(tables.step),
@@ -302,6 +309,19 @@ def _train_cache(spec, config, tables, grad_output, psw, offsets, bag, hit, loca
     slots = {k: getattr(state, k) for k in tables.cache_slots}
     return dataclasses.replace(tables, cache=dataclasses.replace(cache, rows=rows),
                                cache_slots=slots), grad_psw
+
+
+def _keep_unless(gate, updated: TTEmbeddingTables, old: TTEmbeddingTables) -> TTEmbeddingTables:
+    """``updated``'s cores, slots and cache where ``gate``, else ``old``'s."""
+    def pick(new, before):
+        if getattr(new, "dtype", None) == jax.dtypes.float0:
+            return new  # the cached ids: no gradient, populate alone moves them
+        return jnp.where(gate, new, before)
+    fields = {"cores": updated.cores, "slots": updated.slots}
+    if updated.cache is not None:
+        fields.update(cache=updated.cache, cache_slots=updated.cache_slots)
+    kept = jax.tree.map(pick, fields, {k: getattr(old, k) for k in fields})
+    return dataclasses.replace(updated, **kept)
 
 
 def _no_grad(x):

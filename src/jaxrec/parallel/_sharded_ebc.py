@@ -34,6 +34,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrec import _step_guard
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
 from jaxrec.ops.bounds_check import as_bounds_check_mode
@@ -350,12 +351,14 @@ class ShardedEmbeddingBagCollection(nnx.Module):
 
     def _raise_everywhere(self, message, report: jax.Array) -> None:
         """Raises ``message(device, *report)`` on every device when the first entry of any
-        device's ``report`` is nonzero (the first such device and its report)."""
-        def check(reports):
-            bad = [d for d, r in enumerate(reports) if r[0]]
-            if bad:
-                raise ValueError(message(bad[0], *(int(x) for x in reports[bad[0]])))
-        jax.debug.callback(check, jax.lax.all_gather(report, self.axis_name))
+        device's ``report`` is nonzero (the first such device and its report); inside a
+        train step, the step skips its update and raises after it (``jaxrec._step_guard``)."""
+        reports = jax.lax.all_gather(report, self.axis_name)
+        bad = reports[:, 0] != 0
+        device = jnp.argmax(bad)
+        head = jnp.stack([bad.any().astype(reports.dtype), device.astype(reports.dtype)])
+        gathered = jnp.concatenate([head, reports[device]])
+        _step_guard.report_fatal(gathered, functools.partial(_on_device, message))
 
     # -- portable <-> group buffers -----------------------------------------------------
     def _variables(self, portable) -> list[nnx.Variable]:
@@ -530,3 +533,7 @@ def on_mesh(x, mesh):
     if isinstance(sharding, NamedSharding) and (sharding.mesh is mesh or sharding.mesh == mesh):
         return x
     return jax.device_put(x, NamedSharding(mesh, P()))
+
+
+def _on_device(message, any_bad, device, *report) -> str:
+    return message(device, *report)

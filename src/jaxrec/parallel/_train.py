@@ -39,7 +39,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrec import optim
+from jaxrec import _step_guard, optim
 from jaxrec.nn import PartitionedOptimizer
 from jaxrec.nn._split_cache import SplitCache, split_for_training, write_back
 from jaxrec.nn._tables import TableCollection
@@ -86,18 +86,22 @@ def _unkey(key):
     return tuple(jax.tree.unflatten(treedef, leaves) for treedef, leaves in key)
 
 
-def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
+def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True,
+                    on_nonfinite: str = "raise"):
     """``train_step(model, optimizer, *batch) -> loss`` (``(loss, aux)`` with ``has_aux``)
     for a model with sharded collections; see the module doc.
 
     ``loss_fn(model, *local_batch)`` runs on each device with that device's slice of every
     batch leaf (``shard_batch``). The objective is the mean over devices of its value, so
     with equal local batch sizes a per-device mean loss gives the global mean. ``loss`` is
-    that mean; ``aux`` comes back with a leading device axis.
+    that mean; ``aux`` comes back with a leading device axis. ``on_nonfinite``, and the
+    step's ``check()`` and ``stats()``: as for ``jaxrec.nn.make_train_step``; every device
+    skips a step together.
     """
 
     def compiled(graphdef, treedefs, opt_treedef, tx, mesh, axis, structure, specs,
                  batch_count):
+        messages: list = []
         # The step takes and returns flat lists (per state, the raw value of each Variable;
         # the optax state's leaves): flattening nnx States on each call cost host time.
         # ``treedefs``: the states'; ``structure``/``specs``: the tree of those lists and a
@@ -123,25 +127,30 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
                 loss, aux = out if has_aux else (out, None)
                 return loss / n, (loss, aux, split_for_training(model)[3])
 
-            (_, (loss, aux, rest)), grads, tables = optim.fused_value_and_grad(
-                pure_loss, has_aux=True)(params, tables, rest, *batch)
-            grads = jax.tree.map(lambda g, r: jax.lax.psum(g, axis) if r else g,
-                                 grads, replicated)
-            with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
-                updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
+            def sum_replicated(grads):
+                return jax.tree.map(lambda g, r: jax.lax.psum(g, axis) if r else g,
+                                    grads, replicated)
+
+            update = optim.guarded_update(pure_loss, tx, has_aux=True, on_nonfinite=policy,
+                                          messages=messages, axis_name=axis,
+                                          reduce_grads=sum_replicated)
+            params, opt_state, tables, (_, (loss, aux, rest)), stats = update(
+                params, opt_state, tables, rest, *batch)
             params, tables, rest = (jax.tree.unflatten(td, jax.tree.leaves(x))
                                     for td, x in zip(raw, (params, tables, rest)))
             aux = jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
             return (params, jax.tree.leaves(opt_state), tables, rest,
-                    jax.lax.pmean(loss, axis), aux)
+                    jax.lax.pmean(loss, axis), aux, stats)
 
         in_specs = (param_specs, opt_specs, table_specs, rest_specs) + (P(axis),) * batch_count
-        out_specs = (param_specs, opt_specs, table_specs, rest_specs, P(), P(axis))
+        out_specs = (param_specs, opt_specs, table_specs, rest_specs, P(), P(axis), P())
         mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                check_vma=False)
-        return jax.jit(mapped, donate_argnums=(0, 1, 2) if donate else ())
+        return jax.jit(mapped, donate_argnums=(0, 1, 2) if donate else ()), messages
 
+    _step_guard.check_policy(on_nonfinite)
+    policy = on_nonfinite
+    monitor = _step_guard.StepMonitor(policy)
     splits = SplitCache()
     per_graphdef = {}  # graphdef -> (mesh, axis, {key: jitted step}), shared by equal splits
 
@@ -168,13 +177,17 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True):
             treedefs = [jax.tree.structure(s) for s in split.states]
             step = steps[key] = compiled(split.graphdef, treedefs, opt_treedef, optimizer.tx,
                                          mesh, axis, structure, specs, len(batch))
-        params, opt_state, tables, rest, loss, aux = step(
+        step, messages = step
+        params, opt_state, tables, rest, loss, aux, stats = step(
             *jax.tree.unflatten(structure, leaves), *batch)
         write_back(split, (params, tables, rest))
         optimizer.set_flat_opt_state(opt_treedef, opt_state)
         optimizer.step += 1
+        monitor.record(stats, messages)
         return (loss, aux) if has_aux else loss
 
+    # The nn step's interface: check() and stats() (jaxrec.nn.TrainStep).
+    train_step.check, train_step.stats = monitor.check, monitor.stats
     return train_step
 
 

@@ -1,0 +1,66 @@
+"""The sharded train step never loses the model either: a bad id under FATAL on one device,
+or a NaN on one device, skips the update on every device and raises after the step."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from parallel_testing import B, KEYS, N, build, mesh, plan, random_batch, squared_error
+
+import jaxrec.parallel as par
+from jaxrec.data import Batch
+from jaxrec.nn import PartitionedOptimizer
+from jaxrec.optim import NonFiniteError, RowWiseAdagrad
+from jaxrec.sparse import KeyedJaggedTensor
+
+
+def snapshot(model, optimizer):
+    return [np.array(x) for x in jax.tree.leaves((nnx.state(model), optimizer.opt_state))]
+
+
+def sharded(mode):
+    model = build(RowWiseAdagrad(learning_rate=0.1))
+    model.sparse_arch.bounds_check_mode = mode
+    return par.shard(model, plan("rows"), mesh())
+
+
+def with_bad_id(batch: Batch, device: int) -> Batch:
+    kjt = batch.sparse
+    lengths = np.asarray(kjt.lengths()).reshape(len(KEYS), N * B)
+    values = np.asarray(kjt.values()).copy()
+    user = KEYS.index("user")
+    assert lengths[user, device * B:(device + 1) * B].sum() > 0
+    values[lengths.ravel()[:user * N * B + device * B].sum()] = 37  # t_user has 37 rows
+    bad = KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths.ravel(),
+                                              weights=kjt.weights_or_none())
+    return Batch(batch.dense, bad, batch.labels, batch.mask)
+
+
+@pytest.mark.parametrize("case", ["fatal", "nan"])
+def test_a_bad_device_skips_the_step_everywhere(case):
+    model = sharded("FATAL" if case == "fatal" else "WARNING")
+    optimizer = PartitionedOptimizer(model, optax.adam(0.01))
+    step = par.make_train_step(lambda m, b: squared_error(m, b, N * B))
+    step(model, optimizer, par.shard_batch(random_batch(1, weighted=True), mesh()))
+    step.check()
+    before = snapshot(model, optimizer)
+    batch = random_batch(2, weighted=True)
+    if case == "fatal":
+        batch = with_bad_id(batch, device=5)
+        error = pytest.raises(ValueError, match="train step 1: .*device 5 has 1 ids out of")
+    else:
+        dense = np.asarray(batch.dense).copy()
+        dense[5 * B, 1] = np.nan  # one sample on device 5
+        batch = Batch(dense, batch.sparse, batch.labels, batch.mask)
+        error = pytest.raises(NonFiniteError, match="train step 1")
+    step(model, optimizer, par.shard_batch(batch, mesh()))
+    with error:
+        step.check()
+    for a, b in zip(before, snapshot(model, optimizer)):
+        np.testing.assert_array_equal(a, b)
+    step(model, optimizer, par.shard_batch(random_batch(3, weighted=True), mesh()))
+    step.check()
+    assert step.stats()["steps"] == 3

@@ -1,0 +1,254 @@
+"""A train step never loses the model: FATAL bad ids, NaN/Inf losses and gradients.
+
+Each test builds a small model, takes a snapshot of every array it holds (tables, their
+optimizer slots, dense parameters, optax state), feeds one bad batch and checks that the
+error comes (one call late, or at ``check()``), that the snapshot is unchanged and still
+readable (the step donated its buffers), and that training then goes on.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jaxrec import optim
+from jaxrec.models import DLRM
+from jaxrec.nn import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    PartitionedOptimizer,
+    TTConfig,
+    make_train_step,
+)
+from jaxrec.optim import Adam, NonFiniteError, RowWiseAdagrad
+from jaxrec.sparse import KeyedJaggedTensor
+
+KEYS = ["user", "item", "geo"]
+ROWS = {"user": 40, "item": 90, "geo": 7}
+B = 6
+
+
+def tables(mode="WARNING", tt=False):
+    return [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=ROWS[k], embedding_dim=8,
+                               feature_names=[k],
+                               tt=TTConfig(tt_ranks=(4,)) if tt and k == "item" else None)
+            for k in KEYS]
+
+
+def model_of(optimizer, mode="WARNING", tt=False, seed=0):
+    ebc = EmbeddingBagCollection(tables(tt=tt), optimizer=optimizer, bounds_check_mode=mode,
+                                 rngs=nnx.Rngs(seed))
+    return DLRM(ebc, 4, [16, 8], [16, 1], rngs=nnx.Rngs(seed + 1))
+
+
+def batch_of(rng, *, bad_id=None, weights=False, nan_weight=False, nan_dense=False):
+    lengths = rng.integers(0, 4, size=len(KEYS) * B)
+    lengths[2] = 0  # an empty bag
+    values = np.concatenate([rng.integers(0, ROWS[k], lengths[i * B:(i + 1) * B].sum())
+                             for i, k in enumerate(KEYS)]).astype(np.int32)
+    if bad_id is not None:
+        lengths[0] += 1  # one more id in user's first bag
+        values = np.insert(values, 0, bad_id)
+    w = rng.uniform(0.5, 2.0, values.shape[0]).astype(np.float32) if weights or nan_weight else None
+    if nan_weight:
+        w[len(w) // 2] = np.nan
+    kjt = KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths, weights=w, capacity=64)
+    dense = rng.normal(size=(B, 4)).astype(np.float32)
+    if nan_dense:
+        dense[1, 2] = np.inf
+    labels = rng.integers(0, 2, B).astype(np.float32)
+    return dense, kjt, labels
+
+
+def bce(model, dense, kjt, labels):
+    logits = model(dense, kjt)[:, 0]
+    return optax.sigmoid_binary_cross_entropy(logits, labels).mean()
+
+
+def snapshot(model, optimizer):
+    """Every array of the model and the optax state, as host copies."""
+    state = jax.tree.leaves((nnx.state(model), optimizer.opt_state))
+    return [np.array(x) for x in state if hasattr(x, "shape")]
+
+
+def assert_unchanged(before, model, optimizer):
+    after = snapshot(model, optimizer)  # reading raises if a buffer was donated and lost
+    assert len(before) == len(after)
+    for b, a in zip(before, after):
+        np.testing.assert_array_equal(a, b)
+
+
+def assert_finite(model):
+    for x in jax.tree.leaves(nnx.state(model)):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            assert np.isfinite(np.asarray(x)).all()
+
+
+OPTIMIZERS = {"rowwise_adagrad": RowWiseAdagrad(learning_rate=0.1),
+              "adam": Adam(learning_rate=0.01), "plain": None}
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fatal_bad_id_leaves_model_usable(platform, name):
+    with jax.default_device(jax.devices(platform)[0]):
+        rng = np.random.default_rng(1)
+        model = model_of(OPTIMIZERS[name], mode="FATAL")
+        optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+        step = make_train_step(bce)
+        step(model, optimizer, *batch_of(rng))
+        step.check()
+        before = snapshot(model, optimizer)
+        step(model, optimizer, *batch_of(rng, bad_id=ROWS["user"]))  # id == rows
+        with pytest.raises(ValueError, match=r"train step 1: .*feature 'user'.*indices\[0\]=40 "
+                                             r"is out of range for a table of 40 rows"):
+            step.check()
+        assert_unchanged(before, model, optimizer)
+        step(model, optimizer, *batch_of(rng))  # training goes on
+        step.check()
+        assert not all(np.array_equal(a, b) for a, b in zip(before, snapshot(model, optimizer)))
+
+
+def test_fatal_error_raised_by_the_next_call():
+    rng = np.random.default_rng(2)
+    model = model_of(RowWiseAdagrad(learning_rate=0.1), mode="FATAL")
+    optimizer = PartitionedOptimizer(model, optax.sgd(0.1))
+    step = make_train_step(bce)
+    before = snapshot(model, optimizer)
+    step(model, optimizer, *batch_of(rng, bad_id=-7))
+    with pytest.raises(ValueError, match=r"train step 0: .*indices\[0\]=-7"):
+        step(model, optimizer, *batch_of(rng))
+    # the bad step changed nothing; the next one (issued before the check) was applied
+    assert step.stats()["steps"] == 2
+    assert not all(np.array_equal(a, b) for a, b in zip(before, snapshot(model, optimizer)))
+
+
+@pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("tt", [False, True])
+@pytest.mark.parametrize("name", ["rowwise_adagrad", "adam"])
+def test_nan_per_sample_weight_skips_the_whole_update(platform, tt, name):
+    if tt and name == "adam":
+        pytest.skip("TT tables train with SGD or Adagrad")
+    with jax.default_device(jax.devices(platform)[0]):
+        rng = np.random.default_rng(3)
+        config = (optim.Adagrad(learning_rate=0.1) if tt else OPTIMIZERS[name])
+        model = model_of(config, tt=tt)
+        optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+        step = make_train_step(bce)
+        step(model, optimizer, *batch_of(rng, weights=True))
+        step.check()
+        before = snapshot(model, optimizer)
+        step(model, optimizer, *batch_of(rng, nan_weight=True))
+        with pytest.raises(NonFiniteError, match="train step 1: the loss or a gradient") as err:
+            step.check()
+        assert err.value.step == 1
+        assert_unchanged(before, model, optimizer)
+        assert_finite(model)
+
+
+def test_skip_counts_and_goes_on():
+    rng = np.random.default_rng(4)
+    model = model_of(RowWiseAdagrad(learning_rate=0.1))
+    optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+    step = make_train_step(bce, on_nonfinite="skip")
+    step(model, optimizer, *batch_of(rng))
+    step.check()
+    before = snapshot(model, optimizer)
+    step(model, optimizer, *batch_of(rng, nan_dense=True))
+    step.check()  # skip never raises
+    assert_unchanged(before, model, optimizer)
+    for _ in range(2):
+        step(model, optimizer, *batch_of(rng))
+    assert step.stats() == {"steps": 4, "nonfinite_steps": 1, "ids_corrected": 0}
+    assert_finite(model)
+
+
+def test_ignore_applies_the_nan():
+    rng = np.random.default_rng(5)
+    model = model_of(RowWiseAdagrad(learning_rate=0.1))
+    optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+    step = make_train_step(bce, on_nonfinite="ignore")
+    step(model, optimizer, *batch_of(rng, nan_dense=True))
+    step.check()  # ignore never checks: the NaN reaches the parameters
+    dense = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert any(not np.isfinite(np.asarray(x)).all() for x in dense)
+
+
+def test_huge_learning_rate_stops_with_finite_model():
+    rng = np.random.default_rng(6)
+    model = model_of(RowWiseAdagrad(learning_rate=1e25))
+    optimizer = PartitionedOptimizer(model, optax.sgd(1e25))
+    step = make_train_step(bce)
+    with pytest.raises(NonFiniteError):
+        for _ in range(20):
+            step(model, optimizer, *batch_of(rng))
+        step.check()
+    assert_finite(model)
+
+
+def test_warning_corrections_are_counted():
+    rng = np.random.default_rng(7)
+    model = model_of(RowWiseAdagrad(learning_rate=0.1), mode="WARNING")
+    optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+    step = make_train_step(bce)
+    step(model, optimizer, *batch_of(rng, bad_id=ROWS["user"] + 3))
+    step(model, optimizer, *batch_of(rng, bad_id=-1))
+    step(model, optimizer, *batch_of(rng))
+    step.check()
+    assert step.stats() == {"steps": 3, "nonfinite_steps": 0, "ids_corrected": 2}
+
+
+def test_functional_step_fatal_and_nan():
+    """jaxrec.optim.make_train_step: the pytree form keeps the donated tables usable."""
+    from jaxrec.ops import TableLayout
+
+    layout = TableLayout.from_embedding_specs([(30, 8), (11, 4)])
+    tables = optim.FusedEmbeddingTables.create(layout, Adam(learning_rate=0.01),
+                                               key=jax.random.key(0))
+    params = {"w": jax.random.normal(jax.random.key(1), (12,))}
+    dense = optax.sgd(0.1)
+    rng = np.random.default_rng(8)
+
+    def loss_fn(params, tables, indices, offsets, psw):
+        acts = optim.fused_lookup(tables, indices, offsets, per_sample_weights=psw,
+                                  bounds_check_mode="FATAL")
+        return jnp.mean((acts @ params["w"]) ** 2)
+
+    def batch(bad=None, nan=False):
+        lengths = rng.integers(0, 4, 2 * 5)
+        values = np.concatenate([rng.integers(0, 30, lengths[:5].sum()),
+                                 rng.integers(0, 11, lengths[5:].sum())]).astype(np.int32)
+        if bad is not None:
+            values[-1] = bad
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        psw = rng.uniform(0.5, 2, values.shape[0]).astype(np.float32)
+        if nan:
+            psw[0] = np.nan
+        return values, offsets, psw
+
+    step = optim.make_train_step(loss_fn, dense)
+    opt_state = dense.init(params)
+    params, opt_state, tables, _ = step(params, opt_state, tables, *batch())
+    step.check()
+    snap = [np.array(x) for x in jax.tree.leaves((params, opt_state, tables))]
+    values, offsets, psw = batch(bad=11)  # the last id belongs to the 11-row table
+    params, opt_state, tables, _ = step(params, opt_state, tables, values, offsets, psw)
+    with pytest.raises(ValueError, match=r"train step 1: .*=11 is out of range for a table of 11"):
+        step.check()
+    for a, b in zip(snap, jax.tree.leaves((params, opt_state, tables))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    params, opt_state, tables, _ = step(params, opt_state, tables, *batch(nan=True))
+    with pytest.raises(NonFiniteError):
+        step.check()
+    for a, b in zip(snap, jax.tree.leaves((params, opt_state, tables))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    assert int(tables.step) == 1  # only the first step advanced the tables
+
+
+def test_bad_policy_is_named():
+    with pytest.raises(ValueError, match="on_nonfinite must be one of"):
+        make_train_step(bce, on_nonfinite="stop")
