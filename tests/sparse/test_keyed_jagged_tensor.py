@@ -351,3 +351,16 @@ def test_traced_construction_and_repr(kjt_a):
     assert repr(kjt_a.permute([1])).splitlines()[1] == (
         "    'f1': {'values': [[20], [21], [22, 23, 24]], 'weights': [[4.0], [5.0], [6.0, 7.0, 8.0]]}"
     )
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("on_device", [False, True])
+def test_half_precision_weights_are_accepted(dtype, on_device):
+    rng = np.random.default_rng(11)
+    weights = rng.uniform(0.5, 2.0, 5).astype(dtype)
+    weights = jnp.asarray(weights) if on_device else weights
+    kjt = KeyedJaggedTensor.from_lengths_sync(["a", "b"], [1, 2, 3, 4, 5], [2, 0, 1, 2],
+                                              weights=weights, capacity=8)
+    assert kjt.weights().dtype == dtype
+    np.testing.assert_array_equal(np.asarray(kjt.weights()[:5], np.float32),
+                                  np.asarray(weights, np.float32))

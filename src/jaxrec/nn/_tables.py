@@ -21,8 +21,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
+from jaxrec.nn._memory import check_fits
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
-from jaxrec.optim import FusedEmbeddingTables, OptimizerConfig, fused_lookup
+from jaxrec.optim import FusedEmbeddingTables, OptimizerConfig, fused_lookup, init_state
 from jaxrec.sparse import KeyedJaggedTensor
 
 
@@ -47,6 +48,7 @@ class TableCollection(nnx.Module):
         self.backend = backend
         self.name = name
         self.feature_names = tuple(f for t in self.table_configs for f in t.feature_names)
+        _check_fits(name, groups, optimizer)
         keys = {t.name: rngs.params() for t in tables}  # keys drawn in config order
         variables = []
         for i, g in enumerate(groups):
@@ -149,3 +151,19 @@ def concat_in_order(blocks: Sequence[tuple[str, jax.Array]], keys: Sequence[str]
     """Concatenates named column blocks in the order of ``keys``."""
     by_key = dict(blocks)
     return jnp.concatenate([by_key[k] for k in keys], axis=-1)
+
+
+def _check_fits(name: str, groups, optimizer: OptimizerConfig | None) -> None:
+    """Refuses, before any allocation, tables that the default device cannot hold."""
+    sizes, state = {}, 0
+    for g in groups:
+        if g.tt:  # compressed: the cores are small
+            continue
+        itemsize = jnp.dtype(g.dtype).itemsize
+        for t in g.tables:
+            sizes[t.name] = t.num_embeddings * t.embedding_dim * itemsize
+        if optimizer is not None:
+            shapes = jax.eval_shape(lambda layout=g.layout: init_state(optimizer, layout))
+            state += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+    if sizes:
+        check_fits(name, sizes, state)

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 MIN_CAPACITY = 8
@@ -84,7 +85,7 @@ def host_float_array(name: str, x: Any) -> np.ndarray:
     arr = np.asarray(x)
     if arr.dtype.kind in "iub" or (arr.size == 0 and arr.dtype == np.float64):
         return arr.astype(np.float32)
-    if arr.dtype.kind != "f":
+    if not jnp.issubdtype(arr.dtype, jnp.floating):  # bfloat16's numpy kind is "V"
         raise TypeError(f"{name} must hold floats, got dtype {arr.dtype}.")
     if arr.dtype == np.float64 and not (jax.config.jax_enable_x64 and isinstance(x, np.ndarray)):
         return arr.astype(np.float32)
@@ -205,7 +206,7 @@ def prepare_jagged(
     if weights is not None:
         if is_host(weights):
             weights = host_float_array("weights", weights)
-        elif not np.issubdtype(weights.dtype, np.floating):
+        elif not jnp.issubdtype(weights.dtype, jnp.floating):  # bfloat16 and float16 too
             raise TypeError(
                 f"weights must be floating point, got dtype {weights.dtype}; cast with "
                 ".astype(jnp.float32)."

@@ -1,0 +1,57 @@
+"""Refuse tables that cannot fit before allocating them.
+
+Building a collection allocates every table (and its fused optimizer's slots) on the
+default device. A table sized from raw ids (a MovieLens user id of 1.5e9, a hashed
+feature without a cap) would otherwise block for minutes and then die out of memory.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+_GIB = 2.0**30
+
+
+def free_bytes(device: jax.Device | None = None) -> int | None:
+    """Bytes the device can still allocate: its allocator's limit on accelerators, the
+    system's available memory on the CPU; ``None`` when it cannot be told."""
+    device = device or jax.devices()[0]
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - some backends do not implement it
+        stats = None
+    if stats and "bytes_limit" in stats:
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def check_fits(collection: str, tables: dict[str, int], state_bytes: int,
+               available: int | None = None) -> None:
+    """Raises ``ValueError`` when the tables (``{name: bytes}``; building one holds it
+    twice, its own array and the merged buffer) and ``state_bytes`` of optimizer slots
+    exceed the free memory of the default device."""
+    available = free_bytes() if available is None else available
+    need = 2 * sum(tables.values()) + state_bytes
+    if available is None or need <= available:
+        return
+    largest = max(tables, key=tables.get)
+    raise ValueError(
+        f"collection {collection!r} needs {need / _GIB:.2f} GiB to build its tables "
+        f"({sum(tables.values()) / _GIB:.2f} GiB of weights, held twice while merged, and "
+        f"{state_bytes / _GIB:.2f} GiB of optimizer state) but the device "
+        f"({jax.devices()[0].platform}) has {available / _GIB:.2f} GiB free; table "
+        f"{largest!r} alone takes {tables[largest] / _GIB:.2f} GiB. Cap num_embeddings "
+        "(jaxrec train: --max-rows; re-index raw ids densely), use a smaller dtype, compress "
+        "it (tt=TTConfig(...)) or shard the tables over devices (jaxrec.parallel).")
