@@ -8,7 +8,9 @@ bottom MLP 512-256-128, top MLP 1024-1024-512-256-1, batch 65536, one id per bag
 each timed in this one process with the same dense part and dense optimizer (Adam):
 
 - jaxrec, fused:  EmbeddingBagCollection(optimizer=RowWiseAdagrad | Adagrad) trained by
-                  jaxrec.nn.make_train_step (tables updated in place in the backward);
+                  jaxrec.nn.make_train_step (tables updated in place in the backward),
+                  with its default on_nonfinite="raise" and, as "..._unguarded", with
+                  "ignore" (no finiteness checks): what the step guard costs;
 - jaxrec DLRM_DCN (3 cross layers, rank 512), fused rowwise Adagrad;
 - plain JAX:      26 nnx.Embed-style tables (a gather per feature), optax.adagrad / sgd
                   over every parameter: the dense gradient of each table (XLA may turn
@@ -141,9 +143,13 @@ def _labels(model):
         lambda path, _: "tables" if "embeds" in jax.tree_util.keystr(path) else "dense", state)
 
 
+UNGUARDED = "_unguarded"  # the same step with on_nonfinite="ignore": what the guard costs
+
+
 def time_variant(variant, keys, sizes, batches, iters):
-    model, optimizer = build(variant, keys, sizes, batches[0].batch_size)
-    step = make_train_step(bce)
+    base = variant.removesuffix(UNGUARDED)
+    model, optimizer = build(base, keys, sizes, batches[0].batch_size)
+    step = make_train_step(bce, on_nonfinite="ignore" if base != variant else "raise")
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, batches[0]))
     compile_s = time.perf_counter() - start
@@ -155,6 +161,7 @@ def time_variant(variant, keys, sizes, batches, iters):
         for i in range(iters):
             loss = step(model, optimizer, batches[i % len(batches)])
         float(loss)
+        step.check()
         times.append((time.perf_counter() - start) / iters)
     step_s = statistics.median(times)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))  # fused slots included
@@ -181,7 +188,7 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     batches = [jax.device_put(b) for b in log.batches(batch_size, 4)]
     data_s = time.perf_counter() - start
-    variants = ["fused_rowwise_adagrad", "fused_exact_adagrad", "dcn_fused_rowwise_adagrad",
+    variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED, "fused_exact_adagrad", "dcn_fused_rowwise_adagrad",
                 "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
     if args.only:
         variants = args.only.split(",")
