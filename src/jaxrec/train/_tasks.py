@@ -86,9 +86,18 @@ def table_memory(ebc: EmbeddingBagCollection) -> dict[str, int]:
         "tt_tables_stored_floats": tt_stored}
 
 
-def _passes(config: TrainConfig):
-    """Passes over a file: endless when the run is counted in steps, else ``epochs``."""
-    return itertools.count() if config.steps else range(config.epochs)
+def _passes(config: TrainConfig, one_pass: Callable[[], Iterator], source: str) -> Iterator:
+    """Passes over a file, chained: endless when the run is counted in steps, else
+    ``epochs``. A pass that yields nothing is an error: chaining endless empty passes would
+    spin at 100% CPU forever."""
+    for number in itertools.count(1) if config.steps else range(1, config.epochs + 1):
+        empty = True
+        for batch in one_pass():
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError(f"{source}: pass {number} over the data gave no training batch; "
+                             "was the file changed or truncated during the run?")
 
 
 def _masked_mean(losses, batch):
@@ -109,20 +118,18 @@ def _ctr_task(config: TrainConfig) -> Task:
         held_out = list(log.batches(config.batch_size, config.eval_batches, start=_EVAL_START))
         steps_per_epoch = None
     else:
-        path = Path(config.data_path)
-        paths = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+        paths = _criteo_files(Path(config.data_path))
         sizes = tuple(min(n, config.max_rows) for n in data.CRITEO_KAGGLE_CARDINALITIES)
         reader = data.CriteoReader(paths, batch_size=config.batch_size,
                                    num_embeddings_per_feature=list(sizes))
         keys, num_dense = reader.keys, len(data.CRITEO_DENSE_KEYS)
-        # The first eval_batches batches of the stream are held out; training reads the rest.
-        held_out = list(itertools.islice(iter(reader), config.eval_batches))
+        held_out = _held_out_criteo(reader, config)
         steps_per_epoch = None
 
         def train_batches(position):
-            passes = (itertools.islice(iter(reader), config.eval_batches, None)
-                      for _ in _passes(config))
-            return itertools.islice(itertools.chain.from_iterable(passes), position, None)
+            passes = _passes(config, lambda: itertools.islice(iter(reader), config.eval_batches,
+                                                              None), config.data_path)
+            return itertools.islice(passes, position, None)
 
         info["files"] = [str(p) for p in paths]
     ebc = _collection(config, keys, sizes)
@@ -143,6 +150,38 @@ def _ctr_task(config: TrainConfig) -> Task:
     return Task(model, loss_fn, predict, train_batches, held_out, steps_per_epoch, info)
 
 
+def _criteo_files(path: Path) -> list[Path]:
+    """A TSV file, or the files of a folder in name order (an empty folder is an error)."""
+    if not path.is_dir():
+        return [path]
+    paths = sorted(p for p in path.iterdir() if p.is_file())
+    if not paths:
+        raise ValueError(f"criteo:{path} is a folder without files; pass a Criteo TSV file or "
+                         "a folder of them (day_0, day_1, ...)")
+    return paths
+
+
+def _held_out_criteo(reader: data.CriteoReader, config: TrainConfig) -> list[data.Batch]:
+    """The first ``eval_batches`` batches of the stream, held out (training reads the rest,
+    so this works without knowing the stream's length). A file too small to leave at least
+    one training row is an error saying how many rows it has and needs."""
+    stream = iter(reader)
+    try:
+        held_out = list(itertools.islice(stream, config.eval_batches))
+        trains = next(stream, None) is not None  # one batch more than held out
+    finally:
+        stream.close()
+    if not trains:
+        rows = sum(int(np.asarray(b.mask).sum()) for b in held_out)
+        needed = config.eval_batches * config.batch_size
+        raise ValueError(
+            f"criteo:{config.data_path} holds {rows} rows; a run needs more than {needed} "
+            f"(--eval-batches {config.eval_batches} x --batch-size {config.batch_size} held out "
+            "for evaluation, then at least one row to train on): pass a smaller --batch-size "
+            "or --eval-batches, or more data")
+    return held_out
+
+
 def _ratings_task(config: TrainConfig) -> Task:
     path = Path(config.data_path)
     if path.is_dir():
@@ -157,24 +196,21 @@ def _ratings_task(config: TrainConfig) -> Task:
         cut = len(ratings) - max(len(ratings) // 10, 1)
         train, test = (data.MovieLensRatings(*(f[idx] for f in ratings))
                        for idx in (order[:cut], order[cut:]))
-    num_users = int(max(train.users.max(), test.users.max())) + 1
-    num_items = int(max(train.items.max(), test.items.max())) + 1
-    reader = data.MovieLensReader(train, batch_size=config.batch_size, num_users=num_users,
-                                  num_items=num_items, shuffle_seed=config.seed, last_batch="drop")
-    if len(reader) == 0:
-        raise ValueError(f"batch_size={config.batch_size} is larger than the {len(train)} training "
-                         "ratings; pass a smaller --batch-size")
-    held_out = list(data.MovieLensReader(test, batch_size=config.batch_size, num_users=num_users,
-                                         num_items=num_items))
-    keys = data.MOVIELENS_KEYS
-    ebc = _collection(config, keys, (num_users, num_items))
+    # Dense rows from the raw ids of both splits (a user keeps one row in each), at most
+    # --max-rows per table (indices beyond it fold, as Criteo's hashed ids do).
+    user_ids, item_ids = data.movielens_ids(train, test)
+    common = dict(batch_size=config.batch_size, user_ids=user_ids, item_ids=item_ids,
+                  max_rows=config.max_rows)
+    reader = data.MovieLensReader(train, shuffle_seed=config.seed, last_batch="drop", **common)
+    held_out = list(data.MovieLensReader(test, **common))
+    keys, sizes = data.MOVIELENS_KEYS, (reader.num_users, reader.num_items)
+    ebc = _collection(config, keys, sizes)
     layers = () if config.model == "mf" else (64, 32)
     model = TwoTower(ebc, [keys[0]], [keys[1]], layers, bias=float(train.ratings.mean()),
                      rngs=nnx.Rngs(config.seed + 1))
 
     def train_batches(position):
-        passes = (iter(reader) for _ in _passes(config))
-        return itertools.islice(itertools.chain.from_iterable(passes), position, None)
+        return itertools.islice(_passes(config, lambda: iter(reader), str(path)), position, None)
 
     def loss_fn(model, batch):
         return _masked_mean((model(batch.sparse) - batch.labels) ** 2, batch)
@@ -182,6 +218,6 @@ def _ratings_task(config: TrainConfig) -> Task:
     def predict(model, batch):
         return model(batch.sparse)
 
-    info = {"task": "ratings", "num_users": num_users, "num_items": num_items,
-            "train_ratings": len(train), "test_ratings": len(test)}
+    info = {"task": "ratings", "num_users": len(user_ids), "num_items": len(item_ids),
+            "table_sizes": list(sizes), "train_ratings": len(train), "test_ratings": len(test)}
     return Task(model, loss_fn, predict, train_batches, held_out, len(reader), info)
