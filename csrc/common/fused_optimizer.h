@@ -1,6 +1,8 @@
 // The row update of the fused optimizers, shared by the CPU and CUDA handlers of
 // jaxrec_tbe_fused_update. It is the C++ twin of jaxrec/optim/_rowwise.py
-// (update_rows), which documents every formula; keep the two in step.
+// (update_rows), which documents every formula; keep the two in step. Gradient
+// clipping is not here: as in FBGEMM it clamps grad_output before the backward
+// (jaxrec.optim._rowwise.clip_output_gradient, applied by the wrapper).
 //
 // A `Row` holds the elements of one embedding row that the caller owns, as float32:
 // w[i], g[i] (the row's summed gradient), s1[i], s2[i] (per-element state), for
@@ -59,7 +61,6 @@ struct RowUpdateArgs {
   Hyperparams h;
   float step;  // t: the step after the increment (1 on the first update)
   float dim;   // D of the row's table
-  bool gradient_clipping;
   WeightDecayMode weight_decay_mode;
 };
 
@@ -71,9 +72,6 @@ template <OptimizerKind kKind, typename Row>
 JAXREC_HOST_DEVICE void UpdateRow(Row& row, const RowUpdateArgs& a, float& s1_row, float& s2_row) {
   const Hyperparams& h = a.h;
   const int n = row.Size();
-  if (a.gradient_clipping) {
-    for (int i = 0; i < n; ++i) row.g[i] = fminf(fmaxf(row.g[i], -h.max_gradient), h.max_gradient);
-  }
 
   if constexpr (kKind == OptimizerKind::kSgd) {
     for (int i = 0; i < n; ++i) row.w[i] -= h.learning_rate * row.g[i];

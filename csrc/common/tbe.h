@@ -10,8 +10,13 @@
 // arrays unless x64 is enabled; offsets into the flat buffer can pass 2^31):
 //   [table_offset[0..T), dim[0..T), rows[0..T), output_offset[0..T]]
 // Bags are FBGEMM's: offsets[T*B+1], feature-major, over indices[N] (static
-// capacity; slots past offsets[T*B] are padding and never read). Ids are assumed
-// in range: the Python wrapper runs bounds_check_indices first.
+// capacity; slots past offsets[T*B] are padding and never read).
+//
+// Bad input never reads or writes outside a feature's own table: every kernel skips
+// an id outside [0, rows(f)) (RowInRange: it contributes nothing, and no row or
+// optimizer state is touched for it), and never reads indices outside [0, N). The
+// wrappers clamp the offsets into [0, N], non-decreasing, before any kernel
+// (docs/bounds_check.md, "What NONE does with a bad id").
 #pragma once
 
 #include <cstdint>
@@ -37,6 +42,24 @@ struct TbeLayout {
     return {values, values + t, values + 2 * t, values + 3 * t, t};
   }
 };
+
+// Whether `id` is a row of a table of `rows` rows (rows >= 0), compared in 64 bits so
+// int64 ids of 2^31 and more are never truncated; one unsigned compare, as a negative
+// id wraps to a huge value.
+template <typename I>
+JAXREC_HOST_DEVICE bool RowInRange(I id, int64_t rows) {
+  return static_cast<uint64_t>(static_cast<int64_t>(id)) < static_cast<uint64_t>(rows);
+}
+
+// [start, end) of a bag with offsets `begin`, `end` clamped into [0, n], end >= start:
+// a last line of defence (the wrappers hand the kernels clamped offsets already).
+JAXREC_HOST_DEVICE void ClampBag(int64_t begin, int64_t end, int64_t n, int64_t* start_out,
+                                 int64_t* end_out) {
+  const int64_t start = begin < 0 ? 0 : (begin > n ? n : begin);
+  const int64_t stop = end < start ? start : (end > n ? n : end);
+  *start_out = start;
+  *end_out = stop;
+}
 
 // Number of int32 entries of a packed layout for T features.
 constexpr int64_t PackedLayoutSize(int64_t num_features) { return 2 * (4 * num_features + 1); }

@@ -10,6 +10,9 @@
 //             with s = 1/L for MEAN (L = bag length), else 1; w_p = 1 when not weighted.
 //   NONE:     grad_W[row(p)] += g[p, :].
 //
+// An id outside [0, rows) of its feature's table falls in no row range: its gradient is
+// dropped and its grad_w is 0 (the forward skipped it).
+//
 // Deterministic without atomics: the work items are (table, row range) pairs; an item
 // scans the ids of the features on its table in a fixed order (feature, bag, position)
 // and applies only those that fall in its rows, so each gradient row is summed in the
@@ -76,9 +79,9 @@ JAXREC_ALWAYS_INLINE void BackwardItem(const BackwardArgs<I>& a, const RowRange&
   const G* grad_output = static_cast<const G*>(a.grad_output);
   const int64_t B = a.batch_size;
   const int64_t lo = r.row_begin, hi = r.row_end;
-  const auto mine = [&](int64_t p) {
+  const auto mine = [&](int64_t p) {  // in 64 bits: an int64 id is never truncated
     const int64_t row = indices[p];
-    return row >= lo && row < hi;
+    return row >= lo && row < hi;  // [lo, hi) lies inside the table: bad ids fall outside
   };
   for (int64_t i = 0; i < r.num_features; ++i) {
     const int64_t f = r.features[i];

@@ -204,8 +204,9 @@ inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
 
 // Checks what the kernels must not trust: dtypes, ranks and sizes of the operands,
 // the layout (each feature's table inside `weights`, output columns, distinct tables
-// not overlapping) and the offsets (non-decreasing, inside [0, N]). Ids are not
-// checked: the wrapper runs bounds_check_indices first.
+// not overlapping) and the offsets (non-decreasing, inside [0, N]; the wrappers clamp
+// them first, so this only stops a direct call). Ids are not checked here: the kernels
+// skip each id outside its feature's table (RowInRange).
 template <typename I>
 ffi::Error ValidateTbe(ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                        ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout, int32_t pooling,

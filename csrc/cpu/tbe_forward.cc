@@ -10,6 +10,9 @@
 // rows, so the result does not depend on the schedule). Per bag the rows are summed in
 // float32 into a small accumulator in L1, with the rows of the next ids prefetched:
 // a pooled lookup is bound by the latency of random row reads, not by arithmetic.
+// An id outside [0, rows) of its feature's table is skipped (RowInRange, one compare):
+// it adds nothing to its bag (MEAN still divides by the bag's length) and gives a
+// zero row for pooling NONE.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -54,21 +57,22 @@ JAXREC_ALWAYS_INLINE void PooledBags(const ForwardArgs<I>& a, int64_t bag_begin,
     const int64_t f = k / B;
     const int64_t b = k - f * B;
     const int64_t dim = a.layout.dims[f];
+    const int64_t rows = a.layout.rows[f];
     const W* __restrict table = weights + a.layout.table_offsets[f];
     const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(W));
     const int64_t start = a.offsets[k], end = a.offsets[k + 1];
     // Prefetch within this feature's ids (the next bags of the same table too).
     const int64_t prefetch_end = a.offsets[(f + 1) * B];
+    const auto prefetch = [&](int64_t p) {
+      if (RowInRange(indices[p], rows)) PrefetchBytes(table + static_cast<int64_t>(indices[p]) * dim, row_bytes);
+    };
     if (k == bag_begin || b == 0) {
-      for (int64_t p = start; p < std::min(start + kPrefetchDistance, prefetch_end); ++p) {
-        PrefetchBytes(table + static_cast<int64_t>(indices[p]) * dim, row_bytes);
-      }
+      for (int64_t p = start; p < std::min(start + kPrefetchDistance, prefetch_end); ++p) prefetch(p);
     }
     for (int64_t d = 0; d < dim; ++d) acc[d] = 0.0f;
     for (int64_t p = start; p < end; ++p) {
-      if (p + kPrefetchDistance < prefetch_end) {
-        PrefetchBytes(table + static_cast<int64_t>(indices[p + kPrefetchDistance]) * dim, row_bytes);
-      }
+      if (p + kPrefetchDistance < prefetch_end) prefetch(p + kPrefetchDistance);
+      if (!RowInRange(indices[p], rows)) continue;
       const W* __restrict row = table + static_cast<int64_t>(indices[p]) * dim;
       if (psw != nullptr) {
         const float w = psw[p];
@@ -98,14 +102,20 @@ JAXREC_ALWAYS_INLINE void SequenceBags(const ForwardArgs<I>& a, int64_t bag_begi
   const int64_t row_bytes = dim * static_cast<int64_t>(sizeof(W));
   for (int64_t k = bag_begin; k < bag_end; ++k) {
     const int64_t f = k / B;
+    const int64_t rows = a.layout.rows[f];
     const W* __restrict table = weights + a.layout.table_offsets[f];
     const int64_t prefetch_end = a.offsets[(f + 1) * B];
     for (int64_t p = a.offsets[k]; p < a.offsets[k + 1]; ++p) {
-      if (p + kPrefetchDistance < prefetch_end) {
-        PrefetchBytes(table + static_cast<int64_t>(indices[p + kPrefetchDistance]) * dim, row_bytes);
+      const int64_t ahead = p + kPrefetchDistance;
+      if (ahead < prefetch_end && RowInRange(indices[ahead], rows)) {
+        PrefetchBytes(table + static_cast<int64_t>(indices[ahead]) * dim, row_bytes);
+      }
+      O* __restrict o = out + p * dim;
+      if (!RowInRange(indices[p], rows)) {  // a dropped id: a zero row
+        for (int64_t d = 0; d < dim; ++d) o[d] = FromFloat<O>(0.0f);
+        continue;
       }
       const W* __restrict row = table + static_cast<int64_t>(indices[p]) * dim;
-      O* __restrict o = out + p * dim;
       for (int64_t d = 0; d < dim; ++d) o[d] = FromFloat<O>(ToFloat(row[d]));
     }
   }

@@ -10,8 +10,8 @@
 // step (S32 scalar: updates so far). Results: weights, state1, state2 (aliased to their
 // operands by the wrapper; updated in place) and grad_per_sample_weights (F32 [N] or
 // [0], from the weights *before* the update). Attributes: optimizer, pooling,
-// gradient_clipping, weight_decay_mode, stochastic_rounding, seed, max_dim (the layout's
-// largest dim, checked).
+// weight_decay_mode, stochastic_rounding, seed, max_dim (the layout's largest dim,
+// checked). FBGEMM's gradient clipping is applied by the wrapper, to grad_output.
 //
 // The wrapper sorts the positions by key = first row of the feature's table among all
 // tables' rows + id (the dtype's max outside bags), so the uses of one table row form
@@ -28,6 +28,11 @@
 // is updated by one item and summed in a fixed order, so the result does not depend on
 // the thread schedule. Per-element state is laid out like the weights; per-row state
 // holds one value per row at index key.
+//
+// The wrapper gives positions whose id is outside its feature's table the sentinel key
+// (jaxrec.ops.tbe_reference.row_keys); the kernel checks again (EntryOk) and skips such
+// an entry, and a run whose row is not in its table: no row or state outside the
+// feature's table is ever read or written.
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -150,7 +155,13 @@ JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int6
   float* __restrict s1 = g + a.max_dim;
   float* __restrict s2 = s1 + a.max_dim;
 
-  // Element offset of the table row of sorted entry i (not a sentinel), and its dim.
+  // Whether sorted entry i names a position, a bag and an id inside its feature's table.
+  const int64_t num_bags = l.num_features * B;
+  const auto entry_ok = [&](int64_t i) {
+    const int64_t p = positions[i], bag = bags[i];
+    return p >= 0 && p < n && bag >= 0 && bag < num_bags && RowInRange(a.indices[p], l.rows[bag / B]);
+  };
+  // Element offset of the table row of sorted entry i (entry_ok), and its dim.
   const auto row_start = [&](int64_t i, int64_t* dim) {
     const int64_t f = bags[i] / B;
     *dim = l.dims[f];
@@ -162,7 +173,7 @@ JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int6
     return a.grad_output + (bag - f * B) * a.total_dim + l.output_offsets[f];
   };
   const auto prefetch = [&](int64_t i) {  // the grad row of entry i, and its table row if it starts a run
-    if (i >= n || keys[i] == kSentinel) return;
+    if (i >= n || keys[i] == kSentinel || !entry_ok(i)) return;
     int64_t dim;
     const int64_t start = row_start(i, &dim);
     PrefetchBytes(grad_row(positions[i], bags[i], dim), dim * static_cast<int64_t>(sizeof(float)));
@@ -176,6 +187,10 @@ JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int6
   while (i > 0 && i < end && keys[i] == keys[i - 1]) ++i;  // that run belongs to an earlier item
   while (i < end && keys[i] != kSentinel) {
     const I key = keys[i];
+    if (!entry_ok(i)) {  // not a row of its feature's table: the whole run is skipped
+      while (i < n && keys[i] == key) ++i;
+      continue;
+    }
     int64_t dim;
     const int64_t start = row_start(i, &dim);
     W* __restrict wrow = weights + start;
@@ -186,6 +201,7 @@ JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int6
     int64_t j = i;
     for (; j < n && keys[j] == key; ++j) {
       prefetch(j + kPrefetchDistance);
+      if (!entry_ok(j)) continue;
       const int64_t p = positions[j], bag = bags[j];
       const float* __restrict grow = grad_row(p, bag, dim);
       float scale = 1.0f;
@@ -348,7 +364,7 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
                              ffi::Result<ffi::AnyBuffer> state1_out,
                              ffi::Result<ffi::AnyBuffer> state2_out,
                              ffi::Result<ffi::AnyBuffer> grad_per_sample_weights, int32_t optimizer,
-                             int32_t pooling, int32_t gradient_clipping, int32_t weight_decay_mode,
+                             int32_t pooling, int32_t weight_decay_mode,
                              int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
   return DispatchIndexType(indices.element_type(), "jaxrec_tbe_fused_update: indices", [&](auto index_zero) {
     using I = decltype(index_zero);
@@ -438,7 +454,7 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
           {NumStates(kKind) >= 2 ? state2_out->untyped_data() : nullptr, state2.element_type()},
           problem.weighted ? grad_per_sample_weights->typed_data<float>() : nullptr,
           RowUpdateArgs{Hyperparams::Load(hparams.typed_data<float>()), static_cast<float>(t), 0.0f,
-                        gradient_clipping != 0, static_cast<WeightDecayMode>(weight_decay_mode)},
+                        static_cast<WeightDecayMode>(weight_decay_mode)},
           stochastic_rounding != 0,
           static_cast<uint32_t>(seed),
           static_cast<uint32_t>(t)};
@@ -477,7 +493,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCpu, jaxrec::cpu::TbeFusedUpda
                                   .Ret<xla::ffi::AnyBuffer>()  // grad_per_sample_weights
                                   .Attr<int32_t>("optimizer")
                                   .Attr<int32_t>("pooling")
-                                  .Attr<int32_t>("gradient_clipping")
                                   .Attr<int32_t>("weight_decay_mode")
                                   .Attr<int32_t>("stochastic_rounding")
                                   .Attr<int32_t>("seed")

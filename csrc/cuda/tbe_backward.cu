@@ -32,6 +32,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
 
   const I first = sorted_positions[i];
+  if (!EntryOk(args, indices, first, sorted_bags[i])) return;  // not a row of its table: skipped
   const int64_t f0 = sorted_bags[i] / args.batch_size;
   const int64_t dim = args.dims[f0];
   float* dest = grad_weights + args.table_offsets[f0] + static_cast<int64_t>(indices[first]) * dim;
@@ -42,6 +43,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
     for (int64_t j = i; j < args.num_indices && sorted_keys[j] == key; ++j) {
       const I p = sorted_positions[j];
       const int64_t bag = sorted_bags[j];
+      if (!RunEntryOk(args, p, bag)) continue;
       const int64_t f = bag / args.batch_size;
       Fma4(acc, PositionScale(args, offsets, bag, p), LoadAny4(GradRow(args, grad, bag, f, p) + c, count));
     }
@@ -123,6 +125,7 @@ ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::
   BackwardArgs args;
   args.table_offsets = packed;
   args.dims = packed + num_features;
+  args.rows = packed + 2 * num_features;
   args.output_offsets = packed + 3 * num_features;
   args.num_features = num_features;
   args.batch_size = num_bags / num_features;

@@ -16,6 +16,7 @@ constexpr int kWarpsPerBlock = 8;
 struct BackwardArgs {
   const int64_t* table_offsets;
   const int64_t* dims;
+  const int64_t* rows;
   const int64_t* output_offsets;
   int64_t num_features;
   int64_t batch_size;
@@ -25,6 +26,22 @@ struct BackwardArgs {
   bool mean;
   bool sequence;
 };
+
+// Whether a sorted entry names a position in [0, N), a bag in [0, T*B) and an id inside
+// its feature's table. The wrapper gives every other position the sentinel key
+// (row_keys); the kernels check the head of each run again, so no row outside the
+// feature's table is read or written whatever keys they are handed.
+template <typename I>
+__device__ __forceinline__ bool EntryOk(const BackwardArgs& args, const I* indices, int64_t p, int64_t bag) {
+  return p >= 0 && p < args.num_indices && bag >= 0 && bag < args.num_features * args.batch_size &&
+         RowInRange(indices[p], args.rows[bag / args.batch_size]);
+}
+
+// Whether entry j of a run (whose head passed EntryOk, so the row is good) has a
+// position and a bag to read the gradient of: no memory access, a compare or two.
+__device__ __forceinline__ bool RunEntryOk(const BackwardArgs& args, int64_t p, int64_t bag) {
+  return p >= 0 && p < args.num_indices && bag >= 0 && bag < args.num_features * args.batch_size;
+}
 
 template <typename I>
 __device__ __forceinline__ int64_t BagOf(const I* offsets, int64_t num_bags, I position) {
@@ -65,6 +82,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   if (p < offsets[0] || p >= offsets[num_bags]) return;  // padding: left at 0
   const int64_t bag = BagOf(offsets, num_bags, static_cast<I>(p));
   const int64_t f = bag / args.batch_size;
+  if (!RowInRange(indices[p], args.rows[f])) return;  // a dropped id: its gradient stays 0
   const int64_t dim = args.dims[f];
   const W* row = weights + args.table_offsets[f] + static_cast<int64_t>(indices[p]) * dim;
   const G* g = GradRow(args, grad, bag, f, static_cast<I>(p));

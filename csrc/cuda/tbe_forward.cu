@@ -5,6 +5,10 @@
 // lanes per bag and 8 bags per warp, a dim-128 table a whole warp per bag. Each
 // lane keeps kUnroll rows in flight (16-byte loads for f32) and sums in float32
 // in index order: no atomics, the same result every run.
+//
+// Bad input reads nothing outside the feature's table nor the indices: each bag's
+// range is clamped into [0, N] (ClampBag) and an id outside [0, rows) is skipped, a
+// predicated load of zeros with weight 0 (RowInRange: one compare per id).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -23,11 +27,13 @@ constexpr int kUnroll = 4;
 struct ForwardArgs {
   const int64_t* table_offsets;
   const int64_t* dims;
+  const int64_t* rows;
   const int64_t* output_offsets;
   WarpSchedule schedule;
   int64_t batch_size;
   int64_t total_dim;  // pooled: output row width; sequence: dim
   int32_t num_warps;
+  int64_t num_indices;  // N
   const float* per_sample_weights;  // nullptr when unweighted
   bool mean;
 };
@@ -47,16 +53,20 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   if (b >= args.batch_size) return;
 
   const int64_t bag = f * args.batch_size + b;
-  const I start = offsets[bag], end = offsets[bag + 1];
+  int64_t start, end;
+  ClampBag(offsets[bag], offsets[bag + 1], args.num_indices, &start, &end);
   const int64_t dim = __ldg(args.dims + f);
+  const int64_t rows = __ldg(args.rows + f);
   const W* table = weights + __ldg(args.table_offsets + f);
   const bool vector_rows = dim % 4 == 0 && __ldg(args.table_offsets + f) % 4 == 0;
   const float* psw = args.per_sample_weights;
   const int64_t chunk = int64_t{4} << shift;
 
   if constexpr (kSequence) {
-    for (I p = start; p < end; ++p) {
-      const W* row = table + static_cast<int64_t>(indices[p]) * dim;
+    for (int64_t p = start; p < end; ++p) {
+      const I id = indices[p];
+      if (!RowInRange(id, rows)) continue;  // the output was zeroed: a zero row
+      const W* row = table + static_cast<int64_t>(id) * dim;
       O* out_row = out + static_cast<int64_t>(p) * dim;
       for (int64_t c = 4 * group_lane; c < dim; c += chunk) {
         const int count = ColumnsLeft(dim, c);
@@ -75,26 +85,32 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
     for (int64_t c = 4 * group_lane; c < dim; c += chunk) {
       const int count = ColumnsLeft(dim, c);
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      I p = start;
+      const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
+      int64_t p = start;
       if (vector_rows) {
         for (; p + kUnroll <= end; p += kUnroll) {
           float4 v[kUnroll];
           float w[kUnroll];
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
-            v[u] = Load4(table + static_cast<int64_t>(indices[p + u]) * dim + c);
-            w[u] = psw ? psw[p + u] : 1.f;
+            const I id = indices[p + u];
+            const bool ok = RowInRange(id, rows);
+            v[u] = ok ? Load4(table + static_cast<int64_t>(id) * dim + c) : zero;
+            w[u] = ok ? (psw ? psw[p + u] : 1.f) : 0.f;
           }
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) Fma4(acc, w[u], v[u]);
         }
         for (; p < end; ++p) {
-          Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(indices[p]) * dim + c));
+          const I id = indices[p];
+          if (RowInRange(id, rows)) Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(id) * dim + c));
         }
       } else {
         for (; p < end; ++p) {
-          Fma4(acc, psw ? psw[p] : 1.f,
-               LoadPartial4(table + static_cast<int64_t>(indices[p]) * dim + c, count));
+          const I id = indices[p];
+          if (RowInRange(id, rows)) {
+            Fma4(acc, psw ? psw[p] : 1.f, LoadPartial4(table + static_cast<int64_t>(id) * dim + c, count));
+          }
         }
       }
       acc = Scale4(acc, scale);
@@ -159,12 +175,14 @@ ffi::Error TbeForwardCuda(cudaStream_t stream, ffi::AnyBuffer weights, ffi::AnyB
   const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
   args.table_offsets = packed;
   args.dims = packed + num_features;
+  args.rows = packed + 2 * num_features;
   args.output_offsets = packed + 3 * num_features;
   args.schedule = {schedule.typed_data(), schedule.typed_data() + num_features + 1,
                    static_cast<int32_t>(num_features)};
   args.batch_size = num_bags / num_features;
   args.total_dim = out_dims.size() == 2 ? out_dims[1] : 0;
   args.num_warps = static_cast<int32_t>(num_warps);
+  args.num_indices = static_cast<int64_t>(indices.element_count());
   args.per_sample_weights = per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
   args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
 

@@ -14,6 +14,9 @@
 //   2. loads the row's weights and optimizer state, applies UpdateRow
 //      (common/fused_optimizer.h; row sums are warp shuffles), and
 //   3. stores the row and its state once.
+// A run whose head is not a row of its feature's table (EntryOk) is skipped: the
+// wrapper already gives such positions the sentinel key, and with gradient clipping
+// applied by the wrapper to grad_output (as FBGEMM does) the row math has none.
 // No atomics: deterministic run to run. The weights and state arrive as results that
 // alias their operands (input_output_aliases), so under buffer donation the update is
 // in place; the handler reads them from the result buffers.
@@ -82,7 +85,6 @@ struct FusedArgs {
   const float* hparams;  // float32[9], device
   const int32_t* step;   // updates so far, device
   StateBuffer state1, state2;
-  bool gradient_clipping;
   WeightDecayMode weight_decay_mode;
   bool stochastic_rounding;
   uint32_t seed;
@@ -147,14 +149,17 @@ __device__ __forceinline__ void SumEntries(WarpRow<kChunks>& row, const float* _
     if (mine) {
       const I p = sorted_positions[j];
       const int64_t bag = sorted_bags[j];
-      scale = PositionScale(ga, offsets, bag, p);
-      g_address = reinterpret_cast<unsigned long long>(GradRow(ga, grad, bag, bag / ga.batch_size, p));
+      if (RunEntryOk(ga, p, bag)) {  // else address 0: the entry is skipped below
+        scale = PositionScale(ga, offsets, bag, p);
+        g_address = reinterpret_cast<unsigned long long>(GradRow(ga, grad, bag, bag / ga.batch_size, p));
+      }
     }
     const int n = __popc(__ballot_sync(0xffffffff, mine));
 #pragma unroll 8
     for (int t = 0; t < n; ++t) {
       const float* g = reinterpret_cast<const float*>(__shfl_sync(0xffffffff, g_address, t));
       const float entry_scale = __shfl_sync(0xffffffff, scale, t);
+      if (g == nullptr) continue;  // the same for every lane: no divergence
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) {
         const int64_t c = 128 * k + 4 * row.lane;
@@ -181,6 +186,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   if (begin == 0 || begin >= ga.num_indices) return;
   const I key = sorted_keys[begin];
   if (key == std::numeric_limits<I>::max() || sorted_keys[begin - 1] != key) return;
+  if (!RunEntryOk(ga, sorted_positions[begin], sorted_bags[begin])) return;  // its run is skipped too
   WarpRow<kChunks> row;
   row.lane = threadIdx.x % kWarpSize;
   row.dim = ga.dims[sorted_bags[begin] / ga.batch_size];
@@ -206,6 +212,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   if (i >= ga.num_indices) return;
   const I key = sorted_keys[i];
   if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
+  if (!EntryOk(ga, indices, sorted_positions[i], sorted_bags[i])) return;  // not a row of its table
 
   const int64_t f0 = sorted_bags[i] / ga.batch_size;
   row.dim = ga.dims[f0];
@@ -253,7 +260,6 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   const int32_t new_step = *a.step + 1;
   ua.step = static_cast<float>(new_step);
   ua.dim = static_cast<float>(row.dim);
-  ua.gradient_clipping = a.gradient_clipping;
   ua.weight_decay_mode = a.weight_decay_mode;
   UpdateRow<kKind>(row, ua, s1_row, s2_row);
 
@@ -351,7 +357,7 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                               ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
                               ffi::Result<ffi::AnyBuffer> state2_out,
                               ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t optimizer,
-                              int32_t pooling, int32_t gradient_clipping, int32_t weight_decay_mode,
+                              int32_t pooling, int32_t weight_decay_mode,
                               int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
   const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
   const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
@@ -378,6 +384,7 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   BackwardArgs& ga = a.grad;
   ga.table_offsets = packed;
   ga.dims = packed + num_features;
+  ga.rows = packed + 2 * num_features;
   ga.output_offsets = packed + 3 * num_features;
   ga.num_features = num_features;
   ga.batch_size = num_bags / num_features;
@@ -391,7 +398,6 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   a.step = step.typed_data();
   a.state1 = {state1_out->untyped_data(), state1.element_type()};
   a.state2 = {state2_out->untyped_data(), state2.element_type()};
-  a.gradient_clipping = gradient_clipping != 0;
   a.weight_decay_mode = static_cast<WeightDecayMode>(weight_decay_mode);
   a.stochastic_rounding = stochastic_rounding != 0;
   a.seed = static_cast<uint32_t>(seed);
@@ -472,7 +478,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCuda, jaxrec::TbeFusedUpdateCu
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_per_sample_weights
                                   .Attr<int32_t>("optimizer")
                                   .Attr<int32_t>("pooling")
-                                  .Attr<int32_t>("gradient_clipping")
                                   .Attr<int32_t>("weight_decay_mode")
                                   .Attr<int32_t>("stochastic_rounding")
                                   .Attr<int32_t>("seed")

@@ -18,7 +18,10 @@
 // The per-sample-weight gradient <g, row> / len is <X_{T-1}, G_{T-1}> / len, which the
 // chain already has. A position whose weight is exactly 0 (a masked cache hit) costs
 // no chain in the forward and only the left chain in the backward (for its weight's
-// gradient); padding positions (>= offsets[num_bags]) are never read.
+// gradient); padding positions (>= offsets[num_bags]) are never read. Bad input reads
+// nothing outside the cores or the indices: the positions and bags are clamped into
+// [0, N] (ClampBag), and an id outside [0, num_embeddings) is skipped like a weight of
+// 0, except that it gets no per-sample-weight gradient either (it stays 0).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -49,6 +52,7 @@ struct TtArgs {
   const float* per_sample_weights;   // nullptr when unweighted
   int64_t num_positions;             // N
   int64_t num_bags;
+  int64_t num_embeddings;            // rows of the table: ids outside [0, it) are skipped
   bool mean;
 };
 
@@ -137,10 +141,12 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kRowsMinBlocks)
   extern __shared__ float smem[];
   const int warps = blockDim.x / kWarpSize;
   float* ws = smem + (threadIdx.x / kWarpSize) * args.shape.forward_floats;
-  const int64_t end = std::min<int64_t>(offsets[args.num_bags], args.num_positions);
-  for (int64_t p = offsets[0] + int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; p < end;
+  int64_t begin, end;
+  ClampBag(offsets[0], offsets[args.num_bags], args.num_positions, &begin, &end);
+  for (int64_t p = begin + int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; p < end;
        p += int64_t{gridDim.x} * warps) {
     if (args.per_sample_weights != nullptr && args.per_sample_weights[p] == 0.f) continue;
+    if (!RowInRange(indices[p], args.num_embeddings)) continue;  // no row: the pool skips it
     int64_t slice[kMaxTtCores];
     SliceOffsets(args.shape, static_cast<int64_t>(indices[p]), slice);
     LeftChain(args, slice, ws, args.shape.num_cores, rows + p * args.shape.dim);
@@ -148,16 +154,17 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kRowsMinBlocks)
 }
 
 // out[k] = sum of w_p * rows[p] over the bag in position order (/ len for MEAN);
-// positions of weight 0 have no row and are skipped.
+// positions of weight 0 and ids outside the table have no row and are skipped.
 template <typename I>
 __global__ void __launch_bounds__(kPoolWarpsPerBlock * kWarpSize)
-    TtPoolKernel(const float* __restrict__ rows, const I* __restrict__ offsets,
+    TtPoolKernel(const float* __restrict__ rows, const I* __restrict__ indices, const I* __restrict__ offsets,
                  const float* __restrict__ psw, float* __restrict__ out, int64_t num_bags,
-                 int dim, bool mean) {
+                 int64_t num_positions, int64_t num_embeddings, int dim, bool mean) {
   const int64_t bag = int64_t{blockIdx.x} * kPoolWarpsPerBlock + threadIdx.x / kWarpSize;
   if (bag >= num_bags) return;
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t start = offsets[bag], end = offsets[bag + 1];
+  int64_t start, end;
+  ClampBag(offsets[bag], offsets[bag + 1], num_positions, &start, &end);
   const float scale = mean && end > start ? 1.f / static_cast<float>(end - start) : 1.f;
   constexpr int kUnroll = 4;
   for (int c = 4 * lane; c < dim; c += 4 * kWarpSize) {
@@ -168,7 +175,9 @@ __global__ void __launch_bounds__(kPoolWarpsPerBlock * kWarpSize)
       float4 v[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {  // rows of weight 0 were never written
-        w[u] = p0 + u >= end ? 0.f : psw != nullptr ? psw[p0 + u] : 1.f;
+        w[u] = p0 + u >= end || !RowInRange(indices[p0 + u], num_embeddings) ? 0.f
+               : psw != nullptr                                          ? psw[p0 + u]
+                                                                         : 1.f;
         v[u] = w[u] != 0.f ? LoadAny4(rows + (p0 + u) * dim + c, count) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
@@ -190,9 +199,11 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
   float* ws = smem + (threadIdx.x / kWarpSize) * s.backward_floats;
   float* grad = ws + s.grad;
   float* x = ws + s.scratch;
-  const int64_t end = std::min<int64_t>(offsets[args.num_bags], args.num_positions);
-  for (int64_t p = offsets[0] + int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; p < end;
+  int64_t begin, end;
+  ClampBag(offsets[0], offsets[args.num_bags], args.num_positions, &begin, &end);
+  for (int64_t p = begin + int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; p < end;
        p += int64_t{gridDim.x} * warps) {
+    if (!RowInRange(indices[p], args.num_embeddings)) continue;  // dropped: all its gradients 0
     const float w = args.per_sample_weights != nullptr ? args.per_sample_weights[p] : 1.f;
     const int64_t bag = BagOfPosition(offsets, args.num_bags, p);
     const float inv_len = args.mean ? 1.f / static_cast<float>(offsets[bag + 1] - offsets[bag]) : 1.f;
@@ -417,7 +428,8 @@ ffi::Error LaunchChain(std::string_view op, void (*kernel)(KernelArgs...), int f
 }
 
 TtArgs MakeArgs(const TtShape& shape, const F32Buffer* const* cores, const F32Buffer& psw,
-                const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets, int32_t pooling) {
+                const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets, int32_t pooling,
+                int64_t num_embeddings) {
   TtArgs args{};
   args.shape = shape;
   for (int t = 0; t < shape.num_cores; ++t) args.cores[t] = cores[t]->typed_data();
@@ -425,7 +437,23 @@ TtArgs MakeArgs(const TtShape& shape, const F32Buffer* const* cores, const F32Bu
   args.num_positions = static_cast<int64_t>(indices.element_count());
   args.num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
   args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
+  args.num_embeddings = num_embeddings;
   return args;
+}
+
+// The kernels skip ids outside [0, num_embeddings); those inside must have digits
+// inside the cores: num_embeddings <= p[0] * ... * p[T-1].
+ffi::Error CheckNumEmbeddings(std::string_view op, ffi::Span<const int64_t> p, int64_t num_embeddings) {
+  int64_t capacity = 1;
+  for (const int64_t pt : p) {
+    if (capacity >= num_embeddings) break;  // no overflow: stop once it is enough
+    capacity *= pt;
+  }
+  if (num_embeddings < 0 || capacity < num_embeddings) {
+    return Invalid(op, "num_embeddings " + std::to_string(num_embeddings) +
+                           " must be in [0, product of p_shapes]");
+  }
+  return ffi::Error::Success();
 }
 
 constexpr std::string_view kForward = "jaxrec_tt_forward";
@@ -434,14 +462,15 @@ constexpr std::string_view kBackward = "jaxrec_tt_backward";
 ffi::Error TtForwardCuda(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                          F32Buffer per_sample_weights, F32Buffer core0, F32Buffer core1, F32Buffer core2,
                          F32Buffer core3, ffi::Result<F32Buffer> out, ffi::Result<F32Buffer> rows,
-                         int32_t pooling, ffi::Span<const int64_t> p_shapes,
+                         int32_t pooling, int64_t num_embeddings, ffi::Span<const int64_t> p_shapes,
                          ffi::Span<const int64_t> q_shapes, ffi::Span<const int64_t> ranks) {
   TtShape shape;
   if (ffi::Error e = MakeShape(kForward, p_shapes, q_shapes, ranks, &shape); e.failure()) return e;
+  if (ffi::Error e = CheckNumEmbeddings(kForward, p_shapes, num_embeddings); e.failure()) return e;
   const F32Buffer* cores[kMaxTtCores] = {&core0, &core1, &core2, &core3};
   if (ffi::Error e = CheckCores(kForward, shape, cores, "core"); e.failure()) return e;
   if (ffi::Error e = CheckBags(kForward, indices, offsets, per_sample_weights, pooling); e.failure()) return e;
-  const TtArgs args = MakeArgs(shape, cores, per_sample_weights, indices, offsets, pooling);
+  const TtArgs args = MakeArgs(shape, cores, per_sample_weights, indices, offsets, pooling, num_embeddings);
   if (ffi::Error e = CheckMatrix(kForward, "out", *out, args.num_bags, shape.dim); e.failure()) return e;
   if (ffi::Error e = CheckMatrix(kForward, "rows", *rows, args.num_positions, shape.dim); e.failure()) return e;
 
@@ -457,8 +486,8 @@ ffi::Error TtForwardCuda(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBu
     if (args.num_bags > 0) {
       const unsigned blocks = static_cast<unsigned>((args.num_bags + kPoolWarpsPerBlock - 1) / kPoolWarpsPerBlock);
       TtPoolKernel<I><<<blocks, kPoolWarpsPerBlock * kWarpSize, 0, stream>>>(
-          rows->typed_data(), offsets.typed_data<I>(), args.per_sample_weights, out->typed_data(),
-          args.num_bags, shape.dim, args.mean);
+          rows->typed_data(), indices.typed_data<I>(), offsets.typed_data<I>(), args.per_sample_weights,
+          out->typed_data(), args.num_bags, args.num_positions, args.num_embeddings, shape.dim, args.mean);
       if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return CudaError(kForward, err, "pool launch");
     }
     return ffi::Error::Success();
@@ -470,17 +499,18 @@ ffi::Error TtBackwardCuda(cudaStream_t stream, F32Buffer grad_out, ffi::AnyBuffe
                           F32Buffer core1, F32Buffer core2, F32Buffer core3,
                           ffi::Result<F32Buffer> grad_core0, ffi::Result<F32Buffer> grad_core1,
                           ffi::Result<F32Buffer> grad_core2, ffi::Result<F32Buffer> grad_core3,
-                          ffi::Result<F32Buffer> grad_psw, int32_t pooling,
+                          ffi::Result<F32Buffer> grad_psw, int32_t pooling, int64_t num_embeddings,
                           ffi::Span<const int64_t> p_shapes, ffi::Span<const int64_t> q_shapes,
                           ffi::Span<const int64_t> ranks) {
   TtShape shape;
   if (ffi::Error e = MakeShape(kBackward, p_shapes, q_shapes, ranks, &shape); e.failure()) return e;
+  if (ffi::Error e = CheckNumEmbeddings(kBackward, p_shapes, num_embeddings); e.failure()) return e;
   const F32Buffer* cores[kMaxTtCores] = {&core0, &core1, &core2, &core3};
   const F32Buffer* grads[kMaxTtCores] = {&*grad_core0, &*grad_core1, &*grad_core2, &*grad_core3};
   if (ffi::Error e = CheckCores(kBackward, shape, cores, "core"); e.failure()) return e;
   if (ffi::Error e = CheckCores(kBackward, shape, grads, "grad_core"); e.failure()) return e;
   if (ffi::Error e = CheckBags(kBackward, indices, offsets, per_sample_weights, pooling); e.failure()) return e;
-  TtArgs args = MakeArgs(shape, cores, per_sample_weights, indices, offsets, pooling);
+  TtArgs args = MakeArgs(shape, cores, per_sample_weights, indices, offsets, pooling, num_embeddings);
   if (ffi::Error e = CheckMatrix(kBackward, "grad_out", grad_out, args.num_bags, shape.dim); e.failure()) return e;
   if (grad_psw->element_count() != per_sample_weights.element_count()) {
     return Invalid(kBackward, "grad_psw must have the shape of per_sample_weights");
@@ -522,6 +552,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTtForwardCuda, jaxrec::TtForwardCuda,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // out
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // rows (scratch)
                                   .Attr<int32_t>("pooling")
+                                  .Attr<int64_t>("num_embeddings")
                                   .Attr<xla::ffi::Span<const int64_t>>("p_shapes")
                                   .Attr<xla::ffi::Span<const int64_t>>("q_shapes")
                                   .Attr<xla::ffi::Span<const int64_t>>("ranks"));
@@ -543,6 +574,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTtBackwardCuda, jaxrec::TtBackwardCuda,
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_core3
                                   .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_psw
                                   .Attr<int32_t>("pooling")
+                                  .Attr<int64_t>("num_embeddings")
                                   .Attr<xla::ffi::Span<const int64_t>>("p_shapes")
                                   .Attr<xla::ffi::Span<const int64_t>>("q_shapes")
                                   .Attr<xla::ffi::Span<const int64_t>>("ranks"));

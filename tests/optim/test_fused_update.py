@@ -283,3 +283,46 @@ def test_bad_arguments_get_clear_errors(kwargs, error, message):
     args.update(kwargs)
     with pytest.raises(error, match=message):
         fused_update(**args)
+
+
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN])
+def test_gradient_clipping_clamps_grad_output_like_fbgemm(platform, pooling):
+    """FBGEMM clamps grad_output element-wise before the backward; the per-sample-weight
+    gradient uses the clamped values too. Duplicates make a row-sum clip differ."""
+    layout = TableLayout(rows=(7, 5), dims=(4, 3), feature_table_map=(0, 1))
+    rng = np.random.default_rng(21)
+    tables = [rng.uniform(-1, 1, (r, d)) for r, d in zip(layout.rows, layout.dims)]
+    weights = jnp.asarray(np.concatenate([t.ravel() for t in tables]), jnp.float32)
+    # f0: b0 [3, 3, 1], b1 [3];  f1: b0 [2, 2], b1 []
+    indices = np.array([3, 3, 1, 3, 2, 2, 0, 0], np.int32)
+    offsets = np.array([0, 3, 4, 6, 6], np.int32)
+    psw = rng.uniform(0.5, 1.5, 8).astype(np.float32)
+    grad_output = rng.normal(scale=2.0, size=(2, 7)).astype(np.float32)
+    bound, lr = 0.6, 0.5
+    config = optim.SGD(learning_rate=lr, gradient_clipping=True, max_gradient=bound)
+    got_w, _, got_psw = _fused_update(
+        weights, optim.init_state(config, layout), grad_output, indices, offsets, layout=layout,
+        config=config, hparams=None, pooling=pooling, per_sample_weights=psw,
+        bounds_check_mode="FATAL", backend="kernel")
+
+    g = np.clip(grad_output.astype(np.float64), -bound, bound)
+    want = [t.copy() for t in tables]
+    want_psw = np.zeros(8)
+    row_sums = [np.zeros(t.shape) for t in tables]
+    cols = ((0, 4), (4, 7))
+    for k in range(4):
+        f, b = divmod(k, 2)
+        length = offsets[k + 1] - offsets[k]
+        scale = 1.0 / length if pooling == PoolingMode.MEAN and length else 1.0
+        for p in range(offsets[k], offsets[k + 1]):
+            gb = g[b, cols[f][0]:cols[f][1]]
+            row_sums[f][indices[p]] += scale * psw[p] * gb
+            want_psw[p] = scale * gb @ tables[f][indices[p]]
+    for t in range(2):
+        want[t] -= lr * row_sums[t]
+    got = np.asarray(got_w, np.float64)
+    np.testing.assert_allclose(got, np.concatenate([w.ravel() for w in want]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_psw, want_psw, rtol=1e-5, atol=1e-6)
+    assert np.abs(row_sums[0][3]).max() > bound  # a row-sum clip would have given another row 3
+    unclipped_psw = [grad_output[0, :4] @ tables[0][3]]
+    assert not np.isclose(want_psw[0] / (1 / 3 if pooling == PoolingMode.MEAN else 1.0), unclipped_psw[0])

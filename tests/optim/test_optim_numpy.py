@@ -48,9 +48,6 @@ CASES = {
     "lamb": make(optim.LAMB),
     "partial_rowwise_lamb": make(optim.PartialRowWiseLAMB),
     "lars_sgd": make(optim.LarsSGD),
-    "rowwise_adagrad_l2_clip": make(optim.RowWiseAdagrad, weight_decay_mode="l2",
-                                    gradient_clipping=True, max_gradient=0.7),
-    "lars_sgd_clip": make(optim.LarsSGD, gradient_clipping=True, max_gradient=0.7),
     "rowwise_adagrad_decoupled_max_norm": make(optim.RowWiseAdagrad, weight_decay_mode="decoupled",
                                                max_norm=1.0),
     "partial_rowwise_lamb_max_norm": make(optim.PartialRowWiseLAMB, max_norm=1.0),
@@ -71,7 +68,11 @@ def _assert_close(got_w, want_w, got_s, want_s, start_w, state_dtype, steps, wha
 
 
 def _run(config, seed, state_dtype=None, weight_dtype=jnp.float32):
-    """STEPS fused steps vs the NumPy reference; returns how often max_norm / clipping acted."""
+    """STEPS fused steps vs the NumPy reference; returns how often max_norm acted.
+
+    Gradient clipping is not update_rows' business (it clamps the output gradient before
+    the backward): tests/optim/test_fused_update.py checks it.
+    """
     rng = np.random.default_rng(seed)
     want_w, want_s = random_tables(config, rng)
     step0 = int(rng.integers(1, 5))
@@ -81,12 +82,11 @@ def _run(config, seed, state_dtype=None, weight_dtype=jnp.float32):
     start_w = [w.copy() for w in want_w]
     update = jitted_update(config)
     hparams = config.hyperparams()
-    renormed = clipped = 0
+    renormed = 0
     for i in range(STEPS):
         batch = random_batch(rng)
         grads = merged_grads(batch)
         assert batch[1][-1] > len(grads), "the batch has no duplicate ids"
-        clipped += sum(int(np.sum(np.abs(g) > config.max_gradient)) for g in grads.values())
         before_w, before_s = from_jax(config, weights, state)
         weights, state = update(weights, state, sparse_grad(batch), hparams)
         renormed += reference_step(config, want_w, want_s, grads, step0 + i)
@@ -95,7 +95,7 @@ def _run(config, seed, state_dtype=None, weight_dtype=jnp.float32):
         _assert_close(got_w, want_w, got_s, want_s, start_w, state_dtype or jnp.float32, i + 1,
                       f"step {i}")
         _assert_untouched(grads, before_w, before_s, got_w, got_s)
-    return renormed, clipped
+    return renormed
 
 
 def _assert_untouched(grads, before_w, before_s, got_w, got_s):
@@ -111,11 +111,9 @@ def _assert_untouched(grads, before_w, before_s, got_w, got_s):
 @pytest.mark.parametrize("case", list(CASES))
 def test_matches_float64_reference(case):
     config = CASES[case]
-    renormed, clipped = _run(config, seed=abs(hash(case)) % 2**31)
+    renormed = _run(config, seed=abs(hash(case)) % 2**31)
     if config.max_norm > 0:
         assert renormed > 0, "max_norm never acted: the test would not see it"
-    if config.gradient_clipping:
-        assert clipped > 0, "no gradient exceeded max_gradient: the test would not see clipping"
 
 
 @pytest.mark.parametrize("case", ["rowwise_adagrad_l2", "adam", "partial_rowwise_lamb"])

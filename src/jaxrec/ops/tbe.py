@@ -22,6 +22,13 @@ the output is ``sum_p w_p * row_p / L``, and jaxrec differentiates exactly that:
 ``d/dw_p = <g, row_p> / L`` (the consistent choice; FBGEMM's kernels are not
 uniform about the 1/L there). ``embedding_bag_sparse_grad`` (tbe_sparse_grad.py)
 gives the same gradient as unique rows and their summed gradients.
+
+No bounds-check mode reads or writes outside a feature's own table. With
+``bounds_check_mode="NONE"`` (docs/bounds_check.md, "What NONE does with a bad id"):
+an id outside ``[0, rows)`` of its feature's table contributes nothing (no row is
+read; its row gradient is dropped and its per-sample-weight gradient is 0; MEAN still
+divides by the bag's length L, dropped ids included), and the offsets are clamped
+into ``[0, N]`` and made non-decreasing (``clamp_offsets``), as the other modes do.
 """
 
 from __future__ import annotations
@@ -44,9 +51,15 @@ from jaxrec.ops.tbe_layout import (
     TableLayout,
     _check_weights,
     as_pooling_mode,
+    index_array,
     per_sample_weights_operand,
 )
-from jaxrec.ops.tbe_reference import bag_of_position, embedding_bag_reference, row_keys
+from jaxrec.ops.tbe_reference import (
+    bag_of_position,
+    clamp_offsets,
+    embedding_bag_reference,
+    row_keys,
+)
 
 
 def embedding_bag_lookup(
@@ -65,16 +78,19 @@ def embedding_bag_lookup(
 
     Args:
       weights: the flat buffer of all tables (``init_weights``), f32, f16 or bf16.
-      indices: ``int32[N]`` / ``int64[N]`` ids; N is a static capacity.
+      indices: ``int32[N]`` / ``int64[N]`` ids; N is a static capacity. Host int64
+        ids beyond int32 need ``jax_enable_x64`` (a ValueError says so).
       offsets: ``[T * B + 1]`` bag boundaries, feature-major (FBGEMM's order).
       layout: the tables and the table of each feature.
       pooling: ``PoolingMode.SUM``, ``MEAN`` or ``NONE`` (or the name).
-      per_sample_weights: optional ``float32[N]`` weight of each id (SUM and MEAN).
+      per_sample_weights: optional ``[N]`` weight of each id (SUM and MEAN); float32,
+        float16 or bfloat16 (used as float32).
       output_dtype: float32, float16 or bfloat16.
       bounds_check_mode: how bad ids and offsets are handled before the lookup
-        (``bounds_check_indices``); NONE skips the check, and bad ids are then
-        undefined behaviour. The WARNING count is not returned here: call
-        ``bounds_check_indices`` yourself to read it.
+        (``bounds_check_indices``). NONE skips the check and costs nothing: a bad id
+        then contributes nothing (a zero row; 0 gradients) and bad offsets are clamped
+        (see the module doc); no mode reads outside the feature's table. The WARNING
+        count is not returned here: call ``bounds_check_indices`` yourself to read it.
       backend: "auto", "kernel" or "reference".
     """
     config, indices, offsets, per_sample_weights = _validate(
@@ -83,6 +99,8 @@ def embedding_bag_lookup(
         indices, offsets, _ = bounds_check_indices(
             layout.feature_rows, indices, offsets, bounds_check_mode,
             table_names=[str(t) for t in layout.feature_table_map], backend=backend)
+    else:
+        offsets = clamp_offsets(offsets, indices.shape[0])
     return _lookup(config)(weights, per_sample_weights, indices, offsets)
 
 
@@ -213,7 +231,7 @@ def _validate(weights, indices, offsets, layout, pooling, per_sample_weights, ou
     output_dtype = jnp.dtype(output_dtype)
     if output_dtype not in (jnp.float32, jnp.float16, jnp.bfloat16):
         raise TypeError(f"output_dtype must be float32, float16 or bfloat16, got {output_dtype}")
-    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    indices, offsets = index_array("indices", indices), index_array("offsets", offsets)
     if indices.ndim != 1 or indices.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"indices must be a 1-D int32 or int64 array, got {indices.dtype}{list(indices.shape)}")
     if offsets.ndim != 1 or not jnp.issubdtype(offsets.dtype, jnp.integer):

@@ -44,14 +44,36 @@ def as_pooling_mode(pooling) -> PoolingMode:
 
 def per_sample_weights_operand(per_sample_weights, indices) -> jax.Array:
     """The kernels' per-sample-weights operand: ``float32[N]`` like ``indices``, checked,
-    or ``float32[0]`` when unweighted (None)."""
+    or ``float32[0]`` when unweighted (None). float16/bfloat16/float64 weights are cast
+    to float32 (the kernels sum in float32 anyway)."""
     if per_sample_weights is None:
         return jnp.zeros((0,), jnp.float32)
     psw = jnp.asarray(per_sample_weights)
-    if psw.shape != indices.shape or psw.dtype != jnp.float32:
-        raise ValueError(f"per_sample_weights must be float32{list(indices.shape)} like indices, "
+    if psw.shape != indices.shape or not jnp.issubdtype(psw.dtype, jnp.floating):
+        raise ValueError(f"per_sample_weights must be a floating point array of shape "
+                         f"{list(indices.shape)} like indices (float32, float16 or bfloat16), "
                          f"got {psw.dtype}{list(psw.shape)}")
-    return psw
+    return psw.astype(jnp.float32)
+
+
+def index_array(name: str, x) -> jax.Array:
+    """``x`` as a jax integer array; host int64 values that int32 cannot hold need x64.
+
+    Without ``jax_enable_x64`` JAX silently wraps int64 host values into int32 (2**31
+    becomes -2**31), which would turn a bad id into another bad id or a wrong row.
+    """
+    if isinstance(x, (np.ndarray, list, tuple)) and not jax.config.jax_enable_x64:
+        host = np.asarray(x)
+        if host.size and np.issubdtype(host.dtype, np.integer):
+            info = np.iinfo(np.int32)
+            lo, hi = host.min(), host.max()
+            if lo < info.min or hi > info.max:
+                bad = lo if lo < info.min else hi
+                raise ValueError(f"{name} holds {int(bad)}, outside int32, and jax_enable_x64 is "
+                                 "off (JAX would wrap it silently); enable it with "
+                                 "jax.config.update('jax_enable_x64', True) and pass int64 "
+                                 f"{name}")
+    return jnp.asarray(x)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode
-from jaxrec.ops.tbe_reference import bag_of_position, position_scale, row_keys
+from jaxrec.ops.tbe_reference import bag_of_position, clamp_offsets, position_scale, row_keys
 
 
 class SparseRowGrad(NamedTuple):
@@ -45,12 +45,15 @@ def embedding_bag_sparse_grad(grad_output, indices, offsets, *, layout: TableLay
                               per_sample_weights=None) -> SparseRowGrad:
     """The gradient of the tables as unique rows + summed row gradients (duplicates merged).
 
-    For users who apply their own row-wise update. Ids and offsets must already be
-    valid (run ``bounds_check_indices`` first).
+    For users who apply their own row-wise update. Bad input is handled as the lookup's
+    ``bounds_check_mode="NONE"`` does: an id outside its feature's table is dropped (no
+    entry) and the offsets are clamped (``clamp_offsets``); run ``bounds_check_indices``
+    first for the other modes' corrections.
     """
     pooling = as_pooling_mode(pooling)
     grad_output, indices, offsets = (jnp.asarray(x) for x in (grad_output, indices, offsets))
     n = indices.shape[0]
+    offsets = clamp_offsets(offsets, n)
     num_bags = offsets.shape[0] - 1
     batch_size = num_bags // layout.num_features
     bag = bag_of_position(offsets, n)

@@ -23,6 +23,11 @@ chain of small GEMMs, which XLA's CPU backend already runs well, so there is no 
 Gradients (``jax.grad``): the dense gradient of every core (optax can train them) and of
 the per-sample weights. The fused form (optimizer in the backward) is
 ``jaxrec.optim.TTEmbeddingTables`` / ``tt_fused_lookup``.
+
+Bad input never reads outside the cores: ``validate`` clamps the offsets into
+``[0, N]`` non-decreasing (``clamp_offsets``; a no-op on valid offsets), and with
+``bounds_check_mode="NONE"`` an id outside ``[0, num_embeddings)`` contributes nothing
+(no row; zero gradients), as in ``embedding_bag_lookup`` (docs/bounds_check.md).
 """
 
 from __future__ import annotations
@@ -36,7 +41,8 @@ import numpy as np
 
 from jaxrec import _ffi
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
-from jaxrec.ops.tbe_layout import PoolingMode, as_pooling_mode, per_sample_weights_operand
+from jaxrec.ops.tbe_layout import PoolingMode, as_pooling_mode, index_array, per_sample_weights_operand
+from jaxrec.ops.tbe_reference import clamp_offsets
 from jaxrec.ops.tt_layout import TTLayout
 from jaxrec.ops.tt_reference import batch_to_bags, bags_to_batch, tt_embedding_bag_reference
 
@@ -58,7 +64,8 @@ def tt_embedding_bag(cores, indices: jax.Array, offsets: jax.Array, *, layout: T
       pooling: SUM or MEAN (an empty bag gives zeros).
       per_sample_weights: optional ``float32[N]``.
       num_features: F, the features that read this table (their bags side by side).
-      bounds_check_mode: how bad ids and offsets are handled first (``bounds_check_indices``).
+      bounds_check_mode: how bad ids and offsets are handled first (``bounds_check_indices``);
+        under NONE a bad id contributes nothing (see the module doc).
       backend: "auto", "kernel" or "reference".
     """
     cores, indices, offsets, psw, spec = validate(cores, indices, offsets, layout, pooling,
@@ -123,7 +130,7 @@ def tt_gradients(spec: TTSpec, grad_output, cores, psw, indices, offsets):
 
 def _shape_attrs(spec: TTSpec) -> dict:
     layout = spec.layout
-    return dict(pooling=np.int32(spec.pooling),
+    return dict(pooling=np.int32(spec.pooling), num_embeddings=np.int64(layout.num_embeddings),
                 p_shapes=np.asarray(layout.p_shapes, np.int64),
                 q_shapes=np.asarray(layout.q_shapes, np.int64),
                 ranks=np.asarray(layout.ranks, np.int64))
@@ -178,14 +185,16 @@ def validate(cores, indices, offsets, layout, pooling, per_sample_weights, num_f
     pooling = as_pooling_mode(pooling)
     if pooling not in (PoolingMode.SUM, PoolingMode.MEAN):
         raise ValueError(f"TT embedding bags pool SUM or MEAN, got pooling={pooling.name}")
-    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    indices, offsets = index_array("indices", indices), index_array("offsets", offsets)
     if indices.ndim != 1 or indices.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"indices must be a 1-D int32 or int64 array, got "
                         f"{indices.dtype}{list(indices.shape)}")
     if offsets.ndim != 1 or offsets.shape[0] < 1 or not jnp.issubdtype(offsets.dtype, jnp.integer):
         raise TypeError(f"offsets must be a 1-D integer array of F * B + 1 entries, got "
                         f"{offsets.dtype}{list(offsets.shape)}")
-    offsets = offsets.astype(indices.dtype)
+    # Every bag inside [0, N], none overlapping, whatever the bounds-check mode (TT
+    # lookups are compute-bound: this scan over F * B + 1 offsets is free).
+    offsets = clamp_offsets(offsets.astype(indices.dtype), indices.shape[0])
     if isinstance(num_features, bool) or not isinstance(num_features, (int, np.integer)) or (
             num_features < 1 or (offsets.shape[0] - 1) % num_features):
         raise ValueError(f"offsets has {offsets.shape[0]} entries, which is not F * B + 1 for "

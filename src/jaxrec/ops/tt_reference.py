@@ -45,15 +45,17 @@ def tt_embedding_bag_reference(cores, indices, offsets, per_sample_weights=None,
     """``float32[B, num_features * D]``: bags pooled from the rows of their ids.
 
     ``offsets`` has ``num_features * B + 1`` entries, feature-major (FBGEMM's order); every
-    feature reads the same table. Positions past the last offset are padding.
+    feature reads the same table. Positions past the last offset are padding. An id
+    outside ``[0, num_embeddings)`` contributes nothing (``tt_embedding_bag``'s NONE mode).
     """
     n = indices.shape[0]
     num_bags = offsets.shape[0] - 1
     bag = bag_of_position(offsets, n)
     scale = position_scale(offsets, per_sample_weights, bag, pooling)
-    valid = (bag >= 0) & (bag < num_bags)
+    valid = (bag >= 0) & (bag < num_bags) & (indices >= 0) & (indices < layout.num_embeddings)
     ids = jnp.where(valid, indices, 0)
-    rows = tt_rows(cores, ids, layout=layout) * scale[:, None]
+    # Masked with where: a dropped id gets 0 gradients even if its weight is inf/NaN.
+    rows = tt_rows(cores, ids, layout=layout) * jnp.where(valid, scale, 0.0)[:, None]
     pooled = jax.ops.segment_sum(rows, jnp.where(valid, bag, num_bags), num_segments=num_bags + 1)
     return bags_to_batch(pooled[:num_bags], num_features)
 

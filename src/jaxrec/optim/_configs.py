@@ -114,7 +114,9 @@ class _Common(OptimizerConfig):
     learning_rate: float = 0.01
     """Step size (FBGEMM's default 0.01)."""
     gradient_clipping: bool = False
-    """Clip each element of a row's summed gradient to ``[-max_gradient, max_gradient]`` (static)."""
+    """FBGEMM's gradient clipping (static): clamp each element of the lookup's output
+    gradient to ``[-max_gradient, max_gradient]`` before the backward, so the rows'
+    gradients and the per-sample weights' gradient come from the clamped values."""
     max_gradient: float = 1.0
     """The clipping bound when ``gradient_clipping`` is on."""
     max_norm: float = 0.0

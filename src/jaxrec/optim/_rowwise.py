@@ -9,13 +9,16 @@ Notation per row: ``w, g`` of length D (the row's table dim), ``lr`` the learnin
 rate, ``t`` the step *after* the increment (1 on the first update), ``mean_D`` and
 ``‖·‖`` over the row's D columns.
 
-Around every optimizer (FBGEMM's backward template):
+Around every optimizer:
 
-1. ``gradient_clipping``: ``g = clip(g, -max_gradient, max_gradient)`` element-wise,
-   on the row's *summed* gradient.
-2. the optimizer's step (below);
-3. ``max_norm > 0``: if ``‖w_new‖ > max_norm``, ``w_new *= max_norm / ‖w_new‖``
+1. the optimizer's step (below);
+2. ``max_norm > 0``: if ``‖w_new‖ > max_norm``, ``w_new *= max_norm / ‖w_new‖``
    (FBGEMM does this for rowwise Adagrad only; jaxrec for every optimizer).
+
+``gradient_clipping`` is not applied here: as in FBGEMM's autograd function it clamps
+the lookup's *output* gradient element-wise before the backward
+(:func:`clip_output_gradient`), so a row's summed gradient may exceed ``max_gradient``
+(duplicates add up) and the per-sample-weight gradient sees the clamped values too.
 """
 
 from __future__ import annotations
@@ -28,6 +31,19 @@ from jaxrec.optim._rounding import rounding_bits, stochastic_round
 from jaxrec.optim._state import buffer_fields
 
 _F32 = jnp.float32
+
+
+def clip_output_gradient(config: C.OptimizerConfig, hparams: C.OptimizerHyperparams, grad_output):
+    """FBGEMM's ``gradient_clipping``: ``grad_output`` clamped element-wise to
+    ``[-max_gradient, max_gradient]`` (unchanged when ``config.gradient_clipping`` is off).
+
+    Apply it to the gradient of the lookup's output, before the backward; every fused
+    path (``fused_update``, the fused tables) does.
+    """
+    if not config.gradient_clipping:
+        return grad_output
+    bound = jnp.asarray(hparams.max_gradient, grad_output.dtype)
+    return jnp.clip(grad_output, -bound, bound)
 
 
 def _safe_div(a, b):
@@ -169,7 +185,8 @@ def update_rows(config: C.OptimizerConfig, hparams: C.OptimizerHyperparams, weig
       config: the optimizer (its static fields; its numbers come from ``hparams``).
       hparams: ``config.hyperparams()``, possibly traced.
       weights: ``[n, D]`` rows (float32, float16 or bfloat16).
-      grads: ``[n, D]`` summed gradients of those rows.
+      grads: ``[n, D]`` summed gradients of those rows (``gradient_clipping`` is applied
+        before the backward, to the output gradient: see :func:`clip_output_gradient`).
       state_rows: ``config.state_type`` whose ``step`` is the count of updates so far and
         whose buffers hold the rows' state: ``[n, D]`` per element, ``[n]`` per row.
       dims: optional ``int[n]``: row i uses its first ``dims[i]`` columns (tables of a
@@ -209,8 +226,6 @@ def update_rows(config: C.OptimizerConfig, hparams: C.OptimizerHyperparams, weig
         d = jnp.maximum(dims, 1).astype(_F32)
     w = jnp.where(mask, weights.astype(_F32), 0.0)
     g = jnp.where(mask, grads.astype(_F32), 0.0)
-    if config.gradient_clipping:
-        g = jnp.clip(g, -h.max_gradient, h.max_gradient)
 
     step = jnp.asarray(state_rows.step) + 1
     t = step.astype(_F32)

@@ -25,6 +25,14 @@ Kernels: the ids are sorted with XLA's sort (a radix sort on the GPU), then one 
 ``jaxrec.optim.update_rows``' math (csrc/common/fused_optimizer.h) to the row and its
 state. Deterministic run to run. The reference is ``embedding_bag_sparse_grad`` +
 ``jaxrec.optim.fused_update_reference``.
+
+``gradient_clipping`` is FBGEMM's: ``grad_output`` is clamped element-wise to
+``[-max_gradient, max_gradient]`` before the backward, so the rows' summed gradients
+and the per-sample weights' gradient both come from the clamped values.
+
+Bad ids never reach another table: with ``bounds_check_mode="NONE"`` an id outside its
+feature's table is dropped (no row and no optimizer state is touched for it; its
+per-sample-weight gradient is 0) and the offsets are clamped (docs/bounds_check.md).
 """
 
 from __future__ import annotations
@@ -43,12 +51,19 @@ from jaxrec.ops.tbe_layout import (
     TableLayout,
     _check_weights,
     as_pooling_mode,
+    index_array,
     per_sample_weights_operand,
 )
-from jaxrec.ops.tbe_reference import bag_of_position, embedding_bag_reference, row_keys
+from jaxrec.ops.tbe_reference import (
+    bag_of_position,
+    clamp_offsets,
+    embedding_bag_reference,
+    row_keys,
+)
 from jaxrec.ops.tbe_sparse_grad import embedding_bag_sparse_grad
 from jaxrec.optim import _configs as C
 from jaxrec.optim._fused import fused_update_reference, reference_fits
+from jaxrec.optim._rowwise import clip_output_gradient
 from jaxrec.optim._state import buffer_fields, check_state
 
 # OptimizerKind of csrc/common/fused_optimizer.h.
@@ -98,6 +113,9 @@ def _fused_update(weights, state, grad_output, indices, offsets, *, layout, conf
         indices, offsets, _ = bounds_check_indices(
             layout.feature_rows, indices, offsets, bounds_check_mode,
             table_names=[str(t) for t in layout.feature_table_map], backend=backend)
+    else:
+        offsets = clamp_offsets(offsets, indices.shape[0])
+    grad_output = clip_output_gradient(config, hparams, grad_output)
     cuda = _kernel if max(layout.dims) <= MAX_KERNEL_DIM else _reference
     if backend == "auto" and not reference_fits(layout, indices.shape[0]):
         backend = "kernel"  # the kernels index with int64 whatever jax_enable_x64 says
@@ -139,7 +157,6 @@ def _kernel(op: _Op, weights, state, grad_output, indices, offsets, per_sample_w
         jnp.asarray(op.layout.packed()), sorted_key, sorted_position, sorted_bag,
         buffers[0], buffers[1], jnp.stack(hparams), jnp.asarray(state.step, jnp.int32),
         optimizer=np.int32(_KIND[type(config)]), pooling=np.int32(op.pooling),
-        gradient_clipping=np.int32(config.gradient_clipping),
         weight_decay_mode=np.int32(_WEIGHT_DECAY_MODE[getattr(config, "weight_decay_mode", "none")]),
         stochastic_rounding=np.int32(config.stochastic_rounding),
         seed=np.array(config.seed, np.uint32).view(np.int32)[()],  # the same 32 bits
@@ -185,7 +202,7 @@ def _validate(weights, state, grad_output, indices, offsets, layout, config, hpa
                         f"{type(hparams).__name__}")
     hparams = C.OptimizerHyperparams(*(jnp.asarray(x, jnp.float32) for x in hparams))
     pooling = as_pooling_mode(pooling)
-    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
+    indices, offsets = index_array("indices", indices), index_array("offsets", offsets)
     if indices.ndim != 1 or indices.dtype not in (jnp.int32, jnp.int64):
         raise TypeError(f"indices must be a 1-D int32 or int64 array, got {indices.dtype}{list(indices.shape)}")
     if offsets.ndim != 1 or not jnp.issubdtype(offsets.dtype, jnp.integer):
