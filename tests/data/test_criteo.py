@@ -296,6 +296,14 @@ def test_error_damaged_gzip(tmp_path, damage):
         list(reader)
 
 
+def test_error_gzip_without_gz_name(tmp_path):
+    path = tmp_path / "day_0"
+    path.write_bytes(_gzip_bytes(make_rows(5, seed=18)))
+    with pytest.raises(DataFormatError, match=r"day_0, line 1: expected 40 .* \(the file starts "
+                                              r"like gzip: name it .gz\)"):
+        list(CriteoReader(path, batch_size=2, num_embeddings_per_feature=SIZES))
+
+
 @pytest.mark.parametrize("bad", ["99999999999999999999999", "-99999999999999999999999",
                                  "9223372036854775808"])
 def test_error_dense_beyond_int64(tmp_path, bad):

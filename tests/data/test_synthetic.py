@@ -156,6 +156,9 @@ def test_argument_errors():
         BagLengths(distribution="zipf")
     with pytest.raises(ValueError, match=r"min_length <= max_length"):
         BagLengths(distribution="uniform", min_length=3, max_length=2)
+    for mean in (0.0, float("nan"), float("inf"), 1e30):
+        with pytest.raises(ValueError, match=r"mean must be in \(0, 1e\+18\]"):
+            BagLengths(distribution="poisson", mean=mean, max_length=4)
     with pytest.raises(ValueError, match=r"zipf_exponent must be >= 0"):
         SyntheticClickLog(zipf_exponent=-1)
     with pytest.raises(ValueError, match=r"click_rate must be in \(0, 1\)"):

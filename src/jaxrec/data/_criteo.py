@@ -71,6 +71,7 @@ CRITEO_KAGGLE_CARDINALITIES = (
 """Distinct values of C1..C26 in the Kaggle training set (the DLRM/TorchRec table sizes)."""
 
 _MAX_HEX_DIGITS = 16  # fits uint64
+_GZIP_MAGIC = b"\x1f\x8b"
 _HEX_LUT = np.full(256, -1, np.int8)  # byte -> nibble; -1 not hex; -2 NUL padding of 'S'
 _HEX_LUT[0] = -2
 for _i, _c in enumerate(b"0123456789abcdef"):
@@ -275,7 +276,9 @@ def parse_lines(
         found = rows[bad].count(b"\t") + 1
         hint = (
             " (39 fields look like Kaggle's test.txt, which has no label column)"
-            if found == _NUM_FIELDS - 1 else ""
+            if found == _NUM_FIELDS - 1 else
+            " (the file starts like gzip: name it .gz)"
+            if first_line == 1 and rows[bad].startswith(_GZIP_MAGIC) else ""
         )
         raise DataFormatError(
             f"{path}, line {line_of(bad)}: expected {_NUM_FIELDS} TAB-separated fields "

@@ -44,6 +44,7 @@ from jaxrec.metrics import auc
 _DISTRIBUTIONS = ("fixed", "poisson", "uniform")
 _STREAM_SAMPLES, _STREAM_AUC, _STREAM_CALIBRATION = 1, 2, 3
 _DENSE_SCALE, _FIRST_ORDER_SCALE, _PAIR_SCALE = 1.0, 1.0, 1.5
+_MAX_POISSON_MEAN = 1e18  # NumPy refuses larger (and infinite) means when sampling
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -80,8 +81,10 @@ class BagLengths:
                 "need 0 <= min_length <= max_length, got "
                 f"min_length={self.min_length}, max_length={self.max_length}."
             )
-        if self.distribution == "poisson" and not self.mean > 0:
-            raise ValueError(f"mean must be > 0, got mean={self.mean}.")
+        if self.distribution == "poisson" and not 0 < self.mean <= _MAX_POISSON_MEAN:
+            raise ValueError(f"mean must be in (0, {_MAX_POISSON_MEAN:g}] (NumPy's Poisson "
+                             f"limit; lengths are clipped to max_length anyway), got "
+                             f"mean={self.mean}.")
 
     @property
     def max_bag(self) -> int:
