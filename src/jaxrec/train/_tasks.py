@@ -126,10 +126,11 @@ def _ctr_task(config: TrainConfig) -> Task:
         held_out = _held_out_criteo(reader, config)
         steps_per_epoch = None
 
+        def one_pass():  # each pass skips the held-out batches
+            return itertools.islice(iter(reader), config.eval_batches, None)
+
         def train_batches(position):
-            passes = _passes(config, lambda: itertools.islice(iter(reader), config.eval_batches,
-                                                              None), config.data_path)
-            return itertools.islice(passes, position, None)
+            return itertools.islice(_passes(config, one_pass, config.data_path), position, None)
 
         info["files"] = [str(p) for p in paths]
     ebc = _collection(config, keys, sizes)
