@@ -71,8 +71,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 __all__ = ["CheckpointCorruptError", "CheckpointLock", "CheckpointLockedError",
-           "RestoredMetadata", "all_steps", "latest_step", "restore_checkpoint",
-           "save_checkpoint"]
+           "RestoredMetadata", "all_steps", "latest_step", "read_metadata",
+           "restore_checkpoint", "save_checkpoint"]
 
 _FORMAT = "jaxrec.checkpoint/2"
 _UNCHECKED_FORMATS = ("jaxrec.checkpoint/1",)  # older checkpoints, written without checksums
@@ -154,36 +154,24 @@ def restore_checkpoint(directory, target, *, step: int | None = None, verify: bo
     checkpoint is intact.
     """
     path = pathlib.Path(directory).absolute()
-    if step is not None:
-        step = _check_step(step)
-    steps = all_steps(path)
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in directory={str(directory)!r}: check the path, "
-                                "or start from a fresh state when nothing was saved yet")
-    if step is not None and step not in steps:
-        raise FileNotFoundError(f"no checkpoint step={step} in {path}; the steps there are "
-                                f"{steps} (step=None restores the newest)")
+    step = _existing_step(path, directory, step)
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(target)
-    corrupt: dict[int, str] = {}
-    with contextlib.closing(_checkpointer()) as checkpointer:
-        for candidate in [step] if step is not None else steps[::-1]:
-            try:
-                leaves, metadata = _restore_step(checkpointer, path, candidate, paths_leaves,
-                                                 verify=verify)
-                break
-            except CheckpointCorruptError as e:
-                if step is not None:
-                    raise
-                corrupt[candidate] = str(e)
-        else:
-            raise CheckpointCorruptError(f"every checkpoint in {path} is corrupt:\n  "
-                                         + "\n  ".join(corrupt.values()))
-    if corrupt:
-        warnings.warn(f"restored checkpoint step={candidate} of {path}, the newest intact one; "
-                      f"skipped the newer corrupt ones:\n  " + "\n  ".join(corrupt.values()),
-                      stacklevel=2)
+    (leaves, metadata), restored, corrupt = _newest_intact(
+        path, step, lambda checkpointer, s: _restore_step(checkpointer, path, s, paths_leaves,
+                                                          verify=verify))
     return (jax.tree_util.tree_unflatten(treedef, leaves),
-            RestoredMetadata(metadata, step=candidate, corrupt=corrupt))
+            RestoredMetadata(metadata, step=restored, corrupt=corrupt))
+
+
+def read_metadata(directory, *, step: int | None = None) -> RestoredMetadata:
+    """The metadata of checkpoint ``step`` (default: the newest whose metadata is intact),
+    verified against its checksum, without reading the arrays: e.g. to check that a run's
+    settings fit a checkpoint before building the state to restore into."""
+    path = pathlib.Path(directory).absolute()
+    step = _existing_step(path, directory, step)
+    (_, metadata), found, corrupt = _newest_intact(
+        path, step, lambda checkpointer, s: _read_json(checkpointer, path, s))
+    return RestoredMetadata(metadata, step=found, corrupt=corrupt)
 
 
 def latest_step(directory) -> int | None:
@@ -257,6 +245,43 @@ class CheckpointLock:
 
 
 # --- helpers -------------------------------------------------------------------------
+
+def _existing_step(path: pathlib.Path, directory, step) -> int | None:
+    """``step`` checked to be a complete checkpoint in ``path`` (None stays None)."""
+    if step is not None:
+        step = _check_step(step)
+    steps = all_steps(path)
+    if not steps:
+        raise FileNotFoundError(f"no checkpoint in directory={str(directory)!r}: check the path, "
+                                "or start from a fresh state when nothing was saved yet")
+    if step is not None and step not in steps:
+        raise FileNotFoundError(f"no checkpoint step={step} in {path}; the steps there are "
+                                f"{steps} (step=None restores the newest)")
+    return step
+
+
+def _newest_intact(path: pathlib.Path, step: int | None, read):
+    """``(read(checkpointer, s), s, corrupt)`` for ``s = step``, or with ``step=None`` for the
+    newest checkpoint that ``read`` finds intact; ``corrupt`` maps the newer ones skipped
+    to why (and a warning says so)."""
+    corrupt: dict[int, str] = {}
+    with contextlib.closing(_checkpointer()) as checkpointer:
+        for candidate in [step] if step is not None else all_steps(path)[::-1]:
+            try:
+                result = read(checkpointer, candidate)
+                break
+            except CheckpointCorruptError as e:
+                if step is not None:
+                    raise
+                corrupt[candidate] = str(e)
+        else:
+            raise CheckpointCorruptError(f"every checkpoint in {path} is corrupt:\n  "
+                                         + "\n  ".join(corrupt.values()))
+    if corrupt:
+        warnings.warn(f"using checkpoint step={candidate} of {path}, the newest intact one; "
+                      f"skipped the newer corrupt ones:\n  " + "\n  ".join(corrupt.values()),
+                      stacklevel=3)
+    return result, candidate, corrupt
 
 def _checkpointer() -> ocp.Checkpointer:
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler())
@@ -355,8 +380,8 @@ def _corrupt(path: pathlib.Path, step: int, what: str, error: Exception | None =
     return CheckpointCorruptError(f"checkpoint step={step} in {path} is corrupt: {what}{detail}")
 
 
-def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, verify: bool):
-    """The target's leaves and the metadata of checkpoint ``step``, verified."""
+def _read_json(checkpointer, path: pathlib.Path, step: int) -> tuple[dict, dict]:
+    """The manifest's leaves and the metadata of checkpoint ``step``, verified."""
     where = path / str(step)
     try:
         saved = checkpointer.restore(where, args=ocp.args.Composite(
@@ -371,6 +396,13 @@ def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, 
                                    "not a dict")
     if "metadata_sha256" in manifest and _json_sha(metadata) != manifest["metadata_sha256"]:
         raise _corrupt(path, step, f"{where / 'metadata'} does not match its checksum")
+    return leaves_manifest, metadata
+
+
+def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, verify: bool):
+    """The target's leaves and the metadata of checkpoint ``step``, verified."""
+    where = path / str(step)
+    leaves_manifest, metadata = _read_json(checkpointer, path, step)
     abstract = _abstract(paths_leaves, leaves_manifest, step, path)
     try:
         arrays = checkpointer.restore(where, args=ocp.args.Composite(

@@ -5,12 +5,16 @@
     jaxrec train --data movielens:ml-100k --model mf --epochs 20
     jaxrec train --checkpoint-dir ckpt --resume      continue the newest checkpoint
 
-At the end: ``out_dir/metrics.json`` (config, device, throughput, every evaluation) and
-``out_dir/curves.png``. ``train(TrainConfig(...))`` does the same from Python.
+At the end: ``out_dir/metrics.json`` (status, config, device, throughput, step stats, every
+evaluation) and ``out_dir/curves.png``, also when a run stops early (a NaN/Inf step: the
+last finite checkpoint is kept; ``--on-nonfinite skip`` skips such steps instead).
+``train(TrainConfig(...))`` does the same from Python (``TrainingStopped`` when it stops).
+A run locks its checkpoint directory; ``--resume`` applies new learning rates and refuses
+flags that change the model or the data.
 """
 
 from jaxrec.train._cli import main
 from jaxrec.train._config import TrainConfig
-from jaxrec.train._loop import train
+from jaxrec.train._loop import TrainingStopped, train
 
-__all__ = ["TrainConfig", "main", "train"]
+__all__ = ["TrainConfig", "TrainingStopped", "main", "train"]

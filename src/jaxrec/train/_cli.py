@@ -38,6 +38,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=d.out_dir)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--backend", choices=("auto", "kernel", "reference"), default=d.backend)
+    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite,
+                   help="a step with a NaN/Inf loss or gradient: stop the run (keeping the last "
+                        "finite checkpoint), or skip its update and count it (default: "
+                        "%(default)s)")
     return p
 
 
@@ -57,12 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxrec train: {e}", file=sys.stderr)
         return 2
-    from jaxrec.train._loop import train
+    from jaxrec.train._loop import TrainingStopped, train
 
+    # Every way a run can fail ends in one clear message and a non-zero exit code.
     try:
         record = train(config)
-    except (FileNotFoundError, ValueError) as e:  # bad paths, files in the wrong format, ...
+    except TrainingStopped as e:  # metrics.json and curves.png are written
         print(f"jaxrec train: {e}", file=sys.stderr)
+        print(f"wrote {config.out_dir}/metrics.json (status {e.record['status']}) and "
+              f"{config.out_dir}/curves.png", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"jaxrec train: interrupted; {config.out_dir}/metrics.json has the run so far",
+              file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 (bad paths and files, the lock, a refused resume, ...)
+        print(f"jaxrec train: {_one_line(e)}", file=sys.stderr)
         return 1
     final = ", ".join(f"{k} {v:.4f}" for k, v in record["final"].items())
     extra = record["data"].get("teacher_auc")
@@ -70,6 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     speed = record["train_samples_per_s"]
     print(f"{config.model} on {config.data}: {record['steps']} steps, held-out {final}{ceiling}"
           + (f"; {speed:,.0f} samples/s on {record['device']}" if speed else ""))
+    skipped = (record["step_stats"] or {}).get("nonfinite_steps")
+    if skipped:
+        print(f"skipped {skipped} non-finite steps (--on-nonfinite skip)")
     print(f"wrote {config.out_dir}/metrics.json and {config.out_dir}/curves.png")
     return 0
 
+
+def _one_line(error: Exception) -> str:
+    """The error's message; the type is named where the message alone would be unclear."""
+    text = str(error) or type(error).__name__
+    if isinstance(error, (ValueError, TypeError, OSError, RuntimeError)):
+        return text
+    return f"{type(error).__name__}: {text}"

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 from jaxrec import optim
 
 MODELS = ("dlrm", "dcn", "mf", "two_tower")
+NONFINITE_POLICIES = {"stop": "raise", "skip": "skip"}  # -> the train step's on_nonfinite
 CTR_MODELS, RATING_MODELS = ("dlrm", "dcn"), ("mf", "two_tower")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 # Table optimizers by FBGEMM's names (lower case, without EXACT_); "plain" keeps the tables
@@ -22,6 +24,11 @@ TABLE_OPTIMIZERS = {
     "lars_sgd": optim.LarsSGD,
     "plain": None,
 }
+# What a resumed run may not change: the model's structure, or which data it trains on
+# next (eval_batches too: Criteo's first eval_batches batches are held out, not trained).
+RESUME_MUST_MATCH = ("data", "model", "seed", "table_optimizer", "dense_optimizer", "batch_size",
+                     "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows", "eval_batches")
+RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate")  # set on the restored state
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -62,6 +69,9 @@ class TrainConfig:
     """Where metrics.json and curves.png go."""
     seed: int = 0
     backend: str = "auto"
+    on_nonfinite: str = "stop"
+    """A step whose loss or gradient is NaN/Inf: "stop" the run (the model and the last
+    checkpoint keep the finite state from before it), or "skip" its update and count it."""
 
     def __post_init__(self):
         kind = self.data.split(":", 1)[0]
@@ -99,8 +109,31 @@ class TrainConfig:
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where the checkpoints are)")
         for name in ("table_learning_rate", "dense_learning_rate"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {tuple(NONFINITE_POLICIES)}, got "
+                             f"{self.on_nonfinite!r}")
+
+    def resume_differences(self, saved: dict) -> tuple[list[str], list[str]]:
+        """``(refused, applied)``: this config's differences from a checkpoint's ``saved``
+        config (``dataclasses.asdict`` of a ``TrainConfig``), as ``"--flag old -> new"``.
+
+        A field that shapes the model or the data stream (``RESUME_MUST_MATCH``) cannot
+        change in a resumed run (refused); a learning rate can (applied); the rest (how
+        long, how often to evaluate, where to write) is free. A field missing from
+        ``saved`` counts as a difference.
+        """
+        mine = json.loads(json.dumps(dataclasses.asdict(self)))  # tuples -> lists, as saved
+        missing = object()
+        refused, applied = [], []
+        for names, out in ((RESUME_MUST_MATCH, refused), (RESUME_APPLIED, applied)):
+            for name in names:
+                old = saved.get(name, missing)
+                if old != mine[name]:
+                    old = "(not recorded)" if old is missing else _show(old)
+                    out.append(f"{flag(name)} {old} -> {_show(mine[name])}")
+        return refused, applied
 
     @property
     def data_kind(self) -> str:
@@ -109,6 +142,16 @@ class TrainConfig:
     @property
     def data_path(self) -> str | None:
         return self.data.split(":", 1)[1] if ":" in self.data else None
+
+
+def flag(name: str) -> str:
+    """The ``jaxrec train`` flag of a ``TrainConfig`` field."""
+    return {"table_learning_rate": "--table-lr", "dense_learning_rate": "--dense-lr"}.get(
+        name, "--" + name.replace("_", "-"))
+
+
+def _show(value) -> str:
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
 def _positive(name: str, value) -> None:

@@ -1,12 +1,34 @@
-"""The training loop of ``jaxrec train``: steps, evaluations, checkpoints, resume, outputs."""
+"""The training loop of ``jaxrec train``: steps, evaluations, checkpoints, resume, outputs.
+
+How a run ends (``status`` in metrics.json):
+
+- ``completed``: every step ran; the final state is evaluated and checkpointed.
+- ``nonfinite``: a step's loss or gradient was NaN/Inf under ``on_nonfinite="stop"``. Its
+  update was skipped, nothing is saved after it, so the newest checkpoint holds the last
+  finite state; ``TrainingStopped`` says which step and which checkpoint.
+- ``error``: an error while training (a bad record further on in a file, a FATAL bounds
+  check, a state that cannot be saved); ``TrainingStopped`` chains it.
+- ``interrupted``: Ctrl-C; the ``KeyboardInterrupt`` goes on after metrics.json is written.
+
+In every case metrics.json and curves.png are written first. Errors before the first step
+(the config, the data, the checkpoint lock, a refused resume) write nothing, so that the
+outputs of an earlier run in ``out_dir`` stay as they are.
+
+A run holds ``CheckpointLock(checkpoint_dir)`` from start to end: a second run on the same
+directory is refused at start.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
+import math
 import platform
+import sys
 import time
+import warnings
 from pathlib import Path
 
 import jax
@@ -15,110 +37,319 @@ import optax
 from flax import nnx
 
 import jaxrec
-from jaxrec.checkpoint import latest_step, restore_checkpoint, save_checkpoint
+from jaxrec.checkpoint import (
+    CheckpointLock,
+    all_steps,
+    latest_step,
+    read_metadata,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from jaxrec.data import Prefetcher
-from jaxrec.nn import PartitionedOptimizer, make_train_step
-from jaxrec.train._config import TrainConfig
+from jaxrec.nn import EmbeddingBagCollection, PartitionedOptimizer, make_train_step
+from jaxrec.optim import NonFiniteError
+from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves
 from jaxrec.train._progress import Progress
 from jaxrec.train._tasks import build_task
 
 _DENSE = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd}
 _LOG_EVERY = 50  # steps between training-loss points (and progress lines off a terminal)
+_KEEP = 3  # checkpoints kept in checkpoint_dir
+
+
+class TrainingStopped(RuntimeError):
+    """A run stopped before its end. ``record`` is what it wrote to metrics.json (its
+    ``status`` says why: ``nonfinite`` or ``error``); the cause is chained."""
+
+    def __init__(self, message: str, record: dict):
+        super().__init__(message)
+        self.record = record
 
 
 def train(config: TrainConfig) -> dict:
-    """Runs ``config``; returns (and writes to ``out_dir/metrics.json``) the run's record."""
-    task = build_task(config)
-    model = task.model
-    optimizer = PartitionedOptimizer(model, _DENSE[config.dense_optimizer](config.dense_learning_rate))
-    train_step = make_train_step(task.loss_fn)
-    predict = nnx.jit(task.predict)
-    history: dict = {"train": [], "eval": []}
-    step = 0
-    if config.resume:
-        step, history = _resume(config, model, optimizer)
-    total = config.steps or (config.epochs * task.steps_per_epoch if task.steps_per_epoch else None)
-    checkpoint_every = config.checkpoint_every or config.eval_every
-    progress = Progress(total, every=_LOG_EVERY)
-    status = {"loss": "-", **_last_eval(history)}
-    losses, timed_steps, timed_s = [], 0, 0.0
-    tick = time.perf_counter()
-    batches = task.train_batches(step)
-    if total is not None:
-        batches = itertools.islice(batches, max(total - step, 0))
-    with Prefetcher(batches, buffer_size=4) as stream:
-        for batch in stream:
-            losses.append(train_step(model, optimizer, batch))
-            step += 1
-            if step % _LOG_EVERY == 0 or step == total:
-                loss = float(np.mean(jax.device_get(losses)))  # waits for the device
-                now = time.perf_counter()
-                if history["train"] or len(losses) < step:  # not the interval that compiled
-                    timed_steps, timed_s = timed_steps + len(losses), timed_s + now - tick
-                history["train"].append({"step": step, "loss": loss})
-                losses, tick = [], now
-                status["loss"] = f"{loss:.4f}"
-                if timed_s:
-                    status["samples/s"] = f"{config.batch_size * timed_steps / timed_s:,.0f}"
-            if step % config.eval_every == 0 or step == total:
-                history["eval"].append({"step": step, **task.evaluate(predict)})
-                status.update(_last_eval(history))
-                tick = time.perf_counter()  # evaluation time is not training time
-            if config.checkpoint_dir and (step % checkpoint_every == 0 or step == total):
-                _save(config, model, optimizer, step, history)
-                tick = time.perf_counter()
-            progress.update(step, status)
-    if not history["eval"] or history["eval"][-1]["step"] != step:
-        history["eval"].append({"step": step, **task.evaluate(predict)})
-    if config.checkpoint_dir and latest_step(config.checkpoint_dir) != step:
-        _save(config, model, optimizer, step, history)
-    progress.update(step, {**status, **_last_eval(history)}, force=True)
-    progress.close()
-    record = {
-        "config": dataclasses.asdict(config),
-        "device": jax.devices()[0].device_kind,
-        "platform": jax.devices()[0].platform,
-        "versions": {"jaxrec": jaxrec.__version__, "jax": jax.__version__,
-                     "python": platform.python_version()},
-        "data": task.info,
-        "steps": step,
-        "train_samples_per_s": config.batch_size * timed_steps / timed_s if timed_s else None,
-        "final": {k: v for k, v in history["eval"][-1].items() if k != "step"},
-        "history": history,
-    }
-    out = Path(config.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.json").write_text(json.dumps(record, indent=2) + "\n")
-    plot_curves(history, out / "curves.png", f"{config.model} on {config.data}")
-    return record
+    """Runs ``config``; returns (and writes to ``out_dir/metrics.json``) the run's record.
+
+    Raises ``TrainingStopped`` when the run stops early (module doc), after writing the
+    outputs; ``CheckpointLockedError`` when another run uses ``checkpoint_dir``.
+    """
+    lock = CheckpointLock(config.checkpoint_dir) if config.checkpoint_dir else (
+        contextlib.nullcontext())
+    with lock:
+        return _Run(config).run()
 
 
-def _last_eval(history: dict) -> dict[str, str]:
-    if not history["eval"]:
-        return {}
-    return {k.upper() if k == "auc" else k: f"{v:.4f}"
-            for k, v in history["eval"][-1].items() if k != "step"}
+class _Run:
+    """One run's state: the task, the model and optimizer, the history, the step."""
+
+    def __init__(self, config: TrainConfig):
+        self.config = config
+        self.task = build_task(config)
+        self.model = self.task.model
+        self.optimizer = PartitionedOptimizer(
+            self.model, _DENSE[config.dense_optimizer](config.dense_learning_rate))
+        self.history: dict = {"train": [], "eval": []}
+        self.step = 0
+        self.resumed: dict | None = None
+        if config.resume:
+            self._resume()
+        self.start = self.step
+        self.train_step = make_train_step(self.task.loss_fn,
+                                          on_nonfinite=NONFINITE_POLICIES[config.on_nonfinite])
+        self.predict = nnx.jit(self.task.predict)
+        self.timed_steps, self.timed_s = 0, 0.0
+        total = config.steps or (config.epochs * self.task.steps_per_epoch
+                                 if self.task.steps_per_epoch else None)
+        self.total = total
+        self.progress = Progress(total, every=_LOG_EVERY)
+        self.status = {"loss": "-", **_last_eval(self.history)}
+
+    def run(self) -> dict:
+        try:
+            self._loop()
+            self.train_step.check()  # what the last step found
+            if not self.history["eval"] or self.history["eval"][-1]["step"] != self.step:
+                self._evaluate()
+            if self.config.checkpoint_dir and latest_step(self.config.checkpoint_dir) != self.step:
+                self._save()
+        except NonFiniteError as e:
+            self._stop("nonfinite", self._nonfinite_message(e), e)
+        except KeyboardInterrupt:
+            self._write("interrupted", f"interrupted at step {self.step}")
+            raise
+        except Exception as e:  # noqa: BLE001 (any error: the outputs first, then say it)
+            self._stop("error", f"after step {self.step}: {e}; stopped. "
+                                f"{self._last_checkpoint('checkpoint')}", e)
+        return self._write("completed", None)
+
+    # --- the steps -------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        config, total = self.config, self.total
+        checkpoint_every = config.checkpoint_every or config.eval_every
+        losses = []
+        tick = time.perf_counter()
+        batches = self.task.train_batches(self.step)
+        if total is not None:
+            batches = itertools.islice(batches, max(total - self.step, 0))
+        with Prefetcher(batches, buffer_size=4) as stream:
+            for batch in stream:
+                losses.append(self.train_step(self.model, self.optimizer, batch))
+                self.step += 1
+                step = self.step
+                if step % _LOG_EVERY == 0 or step == total:
+                    now = time.perf_counter()
+                    self._log(losses, now - tick)
+                    losses, tick = [], now
+                if step % config.eval_every == 0 or step == total:
+                    self._evaluate()
+                    tick = time.perf_counter()  # evaluation time is not training time
+                if config.checkpoint_dir and (step % checkpoint_every == 0 or step == total):
+                    self._save()
+                    tick = time.perf_counter()
+                self.progress.update(step, self.status)
+
+    def _log(self, losses: list, seconds: float) -> None:
+        loss = _mean_finite(losses)  # waits for the device
+        if self.history["train"] or len(losses) < self.step - self.start:
+            # not the interval that compiled
+            self.timed_steps, self.timed_s = self.timed_steps + len(losses), self.timed_s + seconds
+        self.history["train"].append({"step": self.step, "loss": loss})
+        self.status["loss"] = "nan" if loss is None else f"{loss:.4f}"
+        if self.timed_s:
+            self.status["samples/s"] = f"{self.config.batch_size * self.timed_steps / self.timed_s:,.0f}"
+        stats = self.train_step.stats()
+        for key, name in (("nonfinite_steps", "skipped"), ("ids_corrected", "ids corrected")):
+            if stats[key]:
+                self.status[name] = f"{stats[key]:,}"
+
+    def _evaluate(self) -> None:
+        self.history["eval"].append({"step": self.step, **self.task.evaluate(self.predict)})
+        self.status.update(_last_eval(self.history))
+
+    def _save(self) -> None:
+        self.train_step.check()  # never save after a non-finite step (or a FATAL bounds check)
+        # One batch per step, so the data position is the step; both are saved, so that a
+        # future loader with other batch accounting can still find its place.
+        save_checkpoint(self.config.checkpoint_dir, self.step, _state(self.model, self.optimizer),
+                        keep=_KEEP, metadata={"step": self.step, "data_position": self.step,
+                                              "history": self.history,
+                                              "config": dataclasses.asdict(self.config)})
+
+    # --- how it ends -----------------------------------------------------------------
+
+    def _nonfinite_message(self, error: NonFiniteError) -> str:
+        config = self.config
+        return (f"step {self.start + error.step + 1}: non-finite loss or gradient (NaN or Inf); "
+                f"stopped. {self._last_checkpoint('finite checkpoint')} Lower --table-lr/--dense-lr (now "
+                f"{config.table_learning_rate:g}/{config.dense_learning_rate:g}), or pass "
+                "--on-nonfinite skip to skip such steps")
+
+    def _last_checkpoint(self, what: str) -> str:
+        directory = self.config.checkpoint_dir
+        if not directory:
+            return "No checkpoint was saved (no --checkpoint-dir)."
+        step = latest_step(directory)
+        if step is None:
+            return f"No checkpoint was saved in {directory} before it."
+        return f"The last {what} is step {step} in {directory} (--resume continues it)."
+
+    def _stats(self) -> dict | None:
+        """``train_step.stats()``, or None when the steps failed to run (they are read here)."""
+        try:
+            return self.train_step.stats()
+        except Exception:  # noqa: BLE001 (the step's own error is being reported)
+            return None
+
+    def _stop(self, status: str, message: str, error: Exception):
+        record = self._write(status, message)
+        raise TrainingStopped(message, record) from error
+
+    def _write(self, status: str, message: str | None) -> dict:
+        """Writes metrics.json and curves.png; returns the record."""
+        self.progress.update(self.step, {**self.status, **_last_eval(self.history)}, force=True)
+        self.progress.close()
+        config, timed_s = self.config, self.timed_s
+        record = {
+            "status": status,
+            "stopped": message,
+            "config": dataclasses.asdict(config),
+            "device": jax.devices()[0].device_kind,
+            "platform": jax.devices()[0].platform,
+            "versions": {"jaxrec": jaxrec.__version__, "jax": jax.__version__,
+                         "python": platform.python_version()},
+            "data": self.task.info,
+            "steps": self.step,
+            "step_stats": self._stats(),
+            "resumed": self.resumed,
+            "train_samples_per_s": config.batch_size * self.timed_steps / timed_s if timed_s
+            else None,
+            "final": ({k: v for k, v in self.history["eval"][-1].items() if k != "step"}
+                      if self.history["eval"] else {}),
+            "history": self.history,
+        }
+        out = Path(config.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "metrics.json").write_text(json.dumps(_finite(record), indent=2) + "\n")
+        plot_curves(self.history, out / "curves.png", f"{config.model} on {config.data}")
+        return record
+
+    # --- resume ----------------------------------------------------------------------
+
+    def _resume(self) -> None:
+        directory = self.config.checkpoint_dir
+        if latest_step(directory) is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {directory!r}; run without "
+                                    "--resume to start a new run there")
+        with warnings.catch_warnings():  # a skipped corrupt checkpoint is said below
+            warnings.simplefilter("ignore")
+            # The settings first (cheap, and clearer than a state that does not fit), then
+            # the state: its arrays may be corrupt where the metadata was not.
+            self._check_settings(read_metadata(directory), directory)
+            state, meta = restore_checkpoint(directory, _state(self.model, self.optimizer))
+        applied = self._check_settings(meta, directory)
+        nnx.update(self.model, state["model"])
+        self.optimizer.opt_state = state["opt_state"]  # optax keeps no rate: the new one holds
+        self.optimizer.step = meta.step
+        for _, module in nnx.iter_modules(self.model):  # the tables' rate was restored: set it
+            if isinstance(module, EmbeddingBagCollection) and module.fused:
+                module.set_learning_rate(self.config.table_learning_rate)
+        self.step, self.history = meta["data_position"], _history(meta)
+        set_aside = _set_aside_newer(Path(directory), meta.step)
+        self.resumed = {"from_step": meta.step, "applied": applied,
+                        "corrupt_set_aside": list(set_aside.values())}
+        note = f"jaxrec train: resuming checkpoint step {meta.step} in {directory}"
+        if applied:
+            note += f"; applied {', '.join(applied)}"
+        for step, path in set_aside.items():
+            note += f"\n  skipped corrupt checkpoint step {step} (moved to {path}): " \
+                    f"{meta.corrupt.get(step, '')}"
+        print(note, file=sys.stderr)
+
+    def _check_settings(self, meta, directory) -> list[str]:
+        """The learning rates this run changes; refuses any other change that matters."""
+        _check_metadata(meta, directory)
+        refused, applied = self.config.resume_differences(meta["config"])
+        if refused:
+            raise ValueError(
+                f"--resume: checkpoint step={meta.step} in {directory} was written with other "
+                f"settings: {'; '.join(refused)}. They change the model or the data it trains "
+                "on: pass the same flags to continue that run, or another --checkpoint-dir to "
+                "start a new one")
+        return applied
 
 
 def _state(model, optimizer):
     return {"model": nnx.state(model), "opt_state": optimizer.opt_state}
 
 
-def _save(config, model, optimizer, step, history) -> None:
-    # One batch per step, so the data position is the step; both are saved, so that a
-    # future loader with other batch accounting can still find its place.
-    save_checkpoint(config.checkpoint_dir, step, _state(model, optimizer), keep=3,
-                    metadata={"step": step, "data_position": step, "history": history,
-                              "config": dataclasses.asdict(config)})
+def _check_metadata(meta, directory) -> None:
+    """Refuses, naming every problem, metadata that ``_Run._save`` did not write."""
+    problems = []
+    for key in ("step", "data_position"):
+        value = meta.get(key)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            problems.append(f"{key!r} is {value!r}, not an int >= 0")
+    if meta.get("step") != meta.step:
+        problems.append(f"'step' is {meta.get('step')!r} in checkpoint folder {meta.step}")
+    history = meta.get("history")
+    if not (isinstance(history, dict) and all(
+            isinstance(history.get(k), list) and all(_is_point(p) for p in history[k])
+            for k in ("train", "eval"))):
+        problems.append("'history' is not {'train': [...], 'eval': [...]} of {'step': int, "
+                        "name: number} points")
+    if not isinstance(meta.get("config"), dict):
+        problems.append("'config' (the run's settings) is missing")
+    if problems:
+        raise ValueError(f"--resume: checkpoint step={meta.step} in {directory} cannot be resumed: "
+                         f"its metadata is not what jaxrec train writes ({'; '.join(problems)}); "
+                         "start a new run with another --checkpoint-dir")
 
 
-def _resume(config, model, optimizer) -> tuple[int, dict]:
-    if latest_step(config.checkpoint_dir) is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {config.checkpoint_dir!r}; run without "
-                                "--resume to start a new run there")
-    state, meta = restore_checkpoint(config.checkpoint_dir, _state(model, optimizer))
-    nnx.update(model, state["model"])
-    optimizer.opt_state = state["opt_state"]
-    optimizer.step = meta["step"]
-    return meta["data_position"], meta["history"]
+def _history(meta) -> dict:
+    return {"train": meta["history"]["train"], "eval": meta["history"]["eval"]}
+
+
+def _is_point(point) -> bool:
+    return (isinstance(point, dict) and isinstance(point.get("step"), int)
+            and all(v is None or isinstance(v, (int, float)) for v in point.values()))
+
+
+def _set_aside_newer(directory: Path, step: int) -> dict[int, str]:
+    """Renames the checkpoints newer than ``step`` (found corrupt: the restore skipped them)
+    to ``<step>.corrupt``, so that the resumed run can save those steps again."""
+    moved = {}
+    for newer in [s for s in all_steps(directory) if s > step]:
+        target = directory / f"{newer}.corrupt"
+        for n in itertools.count(1):
+            if not target.exists():
+                break
+            target = directory / f"{newer}.corrupt{n}"
+        (directory / str(newer)).rename(target)
+        moved[newer] = str(target)
+    return moved
+
+
+def _mean_finite(losses: list) -> float | None:
+    """The mean of the finite losses (a skipped step's loss is NaN); None when none is."""
+    values = np.asarray(jax.device_get(losses), np.float64)
+    values = values[np.isfinite(values)]
+    return float(values.mean()) if values.size else None
+
+
+def _finite(value):
+    """``value`` with NaN/Inf floats as None: metrics.json stays strict JSON."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def _last_eval(history: dict) -> dict[str, str]:
+    if not history["eval"]:
+        return {}
+    return {k.upper() if k == "auc" else k: f"{v:.4f}"
+            for k, v in history["eval"][-1].items() if k != "step" and v is not None}

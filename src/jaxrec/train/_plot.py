@@ -15,7 +15,7 @@ def plot_curves(history: dict, path: Path, title: str) -> None:
     names = [k for k in (evals[0] if evals else {}) if k != "step"]
     fig, axes = plt.subplots(1, 1 + len(names), figsize=(4.5 * (1 + len(names)), 3.4))
     axes = list(axes) if len(names) else [axes]
-    train = history["train"]
+    train = [t for t in history["train"] if t["loss"] is not None]  # None: every step skipped
     axes[0].plot([t["step"] for t in train], [t["loss"] for t in train], color="tab:blue")
     axes[0].set(xlabel="step", ylabel="training loss", title="training")
     for ax, name in zip(axes[1:], names):
