@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import gc
 import hashlib
 import json
 import numbers
@@ -64,6 +65,7 @@ import pathlib
 import re
 import shutil
 import socket
+import sys
 import warnings
 
 import jax
@@ -404,11 +406,15 @@ def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, 
     where = path / str(step)
     leaves_manifest, metadata = _read_json(checkpointer, path, step)
     abstract = _abstract(paths_leaves, leaves_manifest, step, path)
+    error = None
     try:
         arrays = checkpointer.restore(where, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract)))["state"]
     except Exception as e:  # noqa: BLE001 (same as above, for the arrays' files)
-        raise _corrupt(path, step, f"cannot read the arrays in {where / 'state'}", e) from e
+        error = _corrupt(path, step, f"cannot read the arrays in {where / 'state'}", e)
+    if error is not None:  # outside the except: orbax's frames are released
+        _collect_unfinished_reads()
+        raise error
     leaves = []
     for p, leaf in paths_leaves:
         key = jax.tree_util.keystr(p)
@@ -422,6 +428,17 @@ def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, 
             array = jax.device_put(array, _sharding(leaf, key))
         leaves.append(array)
     return leaves, metadata
+
+
+def _collect_unfinished_reads() -> None:
+    """orbax reads the arrays concurrently; when one read fails, the reads of the others are
+    left unfinished and, once collected, print "Exception ignored" tracebacks of the same
+    damage. Collect them now, quietly: the error raised says what is wrong."""
+    hook, sys.unraisablehook = sys.unraisablehook, lambda _: None
+    try:
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
 
 
 def _check_manifest(manifest, path: pathlib.Path, step: int) -> dict:

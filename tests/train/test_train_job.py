@@ -139,6 +139,7 @@ def test_movielens_ratings_train(tmp_path, layout):
     (["--data", "parquet:x"], "data must be 'synthetic', 'criteo:PATH' or 'movielens:PATH'"),
     (["--data", "movielens:x", "--model", "dlrm"], "does not fit data 'movielens'"),
     (["--batch-size", "0"], "batch_size must be an int >= 1, got 0"),
+    (["--table-lr", "inf"], "table_learning_rate must be a finite number > 0, got inf"),
     (["--resume"], "resume needs checkpoint_dir"),
     (["--data", "criteo:/no/such/file.tsv"], "/no/such/file.tsv"),
     (["--data", "movielens:/no/such/u.data"], "MovieLens ratings file not found"),

@@ -17,7 +17,6 @@ import re
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from jaxrec.checkpoint import CheckpointLock, all_steps, restore_checkpoint, save_checkpoint
 from jaxrec.nn import PartitionedOptimizer
@@ -78,7 +77,8 @@ def test_a_nonfinite_step_stops_the_run_and_no_bad_checkpoint_replaces_good_ones
     err = capsys.readouterr().err
     assert "applied --table-lr 0.1 -> 1e+25" in err
     line = one_clear_line(err)
-    bad = int(re.search(r"step (\d+): non-finite loss or gradient \(NaN or Inf\); stopped", line)[1])
+    bad = int(re.search(r"step (\d+): non-finite loss or gradient \(NaN or Inf\); stopped",
+                        line)[1])
     kept = int(re.search(r"The last finite checkpoint is step (\d+)", line)[1])
     assert 5 <= bad <= 12 and kept == bad - 1 and "--on-nonfinite skip" in line
     steps = all_steps(tmp_path / "ck")
@@ -158,22 +158,28 @@ def test_resume_skips_a_corrupt_newest_checkpoint_and_sets_it_aside(ratings, tmp
     assert metrics(tmp_path)["resumed"]["from_step"] == 2
 
 
-def test_an_error_while_training_stops_clearly_and_still_writes_metrics(
-        ratings, tmp_path, monkeypatch, capsys):
+def fail_after(batches: int, error: BaseException):
+    """A ``build_task`` whose training stream raises ``error`` after ``batches`` batches."""
     def failing_task(conf):
         task = build_task(conf)
         stream = task.train_batches
 
-        def batches(position):
+        def train_batches(position):
             for i, batch in enumerate(stream(position)):
-                if i == 3:
-                    raise ValueError("u.data line 77: rating 'x' is not a number")
+                if i == batches:
+                    raise error
                 yield batch
 
-        task.train_batches = batches
+        task.train_batches = train_batches
         return task
 
-    monkeypatch.setattr(_loop, "build_task", failing_task)
+    return failing_task
+
+
+def test_an_error_while_training_stops_clearly_and_still_writes_metrics(
+        ratings, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(_loop, "build_task", fail_after(
+        3, ValueError("u.data line 77: rating 'x' is not a number")))
     with pytest.raises(TrainingStopped, match=r"after step 3: u.data line 77: .*; stopped. The "
                                               r"last checkpoint is step 3") as info:
         train(config(ratings, tmp_path, checkpoint_every=1))
@@ -182,3 +188,11 @@ def test_an_error_while_training_stops_clearly_and_still_writes_metrics(
     assert run(ratings, tmp_path / "cli", "--steps", "6") == 1
     assert "u.data line 77" in one_clear_line(capsys.readouterr().err)
     assert metrics(tmp_path / "cli")["status"] == "error"
+
+
+def test_an_interrupted_run_writes_metrics_and_exits_130(ratings, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(_loop, "build_task", fail_after(2, KeyboardInterrupt()))
+    assert run(ratings, tmp_path, "--steps", "6") == 130
+    assert "interrupted" in one_clear_line(capsys.readouterr().err)
+    record = metrics(tmp_path)
+    assert record["status"] == "interrupted" and record["steps"] == 2

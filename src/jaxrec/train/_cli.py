@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 
 from jaxrec.train._config import DENSE_OPTIMIZERS, MODELS, TABLE_OPTIMIZERS, TrainConfig

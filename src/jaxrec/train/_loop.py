@@ -157,7 +157,8 @@ class _Run:
         self.history["train"].append({"step": self.step, "loss": loss})
         self.status["loss"] = "nan" if loss is None else f"{loss:.4f}"
         if self.timed_s:
-            self.status["samples/s"] = f"{self.config.batch_size * self.timed_steps / self.timed_s:,.0f}"
+            speed = self.config.batch_size * self.timed_steps / self.timed_s
+            self.status["samples/s"] = f"{speed:,.0f}"
         stats = self.train_step.stats()
         for key, name in (("nonfinite_steps", "skipped"), ("ids_corrected", "ids corrected")):
             if stats[key]:
@@ -181,9 +182,9 @@ class _Run:
     def _nonfinite_message(self, error: NonFiniteError) -> str:
         config = self.config
         return (f"step {self.start + error.step + 1}: non-finite loss or gradient (NaN or Inf); "
-                f"stopped. {self._last_checkpoint('finite checkpoint')} Lower --table-lr/--dense-lr (now "
-                f"{config.table_learning_rate:g}/{config.dense_learning_rate:g}), or pass "
-                "--on-nonfinite skip to skip such steps")
+                f"stopped. {self._last_checkpoint('finite checkpoint')} Lower --table-lr/"
+                f"--dense-lr (now {config.table_learning_rate:g}/{config.dense_learning_rate:g}), "
+                "or pass --on-nonfinite skip to skip such steps")
 
     def _last_checkpoint(self, what: str) -> str:
         directory = self.config.checkpoint_dir
