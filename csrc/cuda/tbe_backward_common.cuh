@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "common/tbe.h"
 #include "cuda/tbe_util.cuh"
 
 namespace jaxrec {

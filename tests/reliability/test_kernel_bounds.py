@@ -363,3 +363,54 @@ def test_fuzz_fused_update_every_mode(backend, mode):
             keep = np.setdiff1d(np.arange(LAYOUT.rows[t]), list(touched[t]))
             np.testing.assert_array_equal(got_ada[t][keep], before[t][keep], err_msg=f"table {t}")
             np.testing.assert_array_equal(m_new[row_start[t] + keep], m_old[row_start[t] + keep])
+
+
+@pytest.mark.parametrize("device, backend", [
+    ("cpu", "reference"),  # TT has no CPU kernel
+    pytest.param("cuda", "kernel", marks=pytest.mark.gpu),
+])
+def test_tt_bad_ids_under_none_contribute_nothing(device, backend):
+    """TT: ids past num_embeddings (97 here, while the cores hold 100 rows) or negative
+    read no core slice and get zero gradients; bad offsets are clamped."""
+    with jax.default_device(jax.devices(device)[0]):
+        _check_tt_bad_ids(backend)
+
+
+def _check_tt_bad_ids(backend):
+    from jaxrec.ops import TTLayout, tt_embedding_bag
+    from jaxrec.ops.tt_init import init_tt_cores
+    from jaxrec.ops.tt_reference import tt_full_weight
+
+    layout = TTLayout.create(97, 8, (3, 2), tt_p_shapes=(5, 5, 4), tt_q_shapes=(2, 2, 2))
+    cores = init_tt_cores(jax.random.key(3), layout)
+    rng = np.random.default_rng(8)
+    indices = np.array([3, 97, 99, -1, 50, 5, 5, 123456789, 0, 0], np.int32)
+    offsets = np.array([0, 4, 4, 9, 12], np.int32)  # the last offset is past N = 10
+    psw = rng.uniform(0.5, 1.5, 10).astype(np.float32)
+    g = rng.normal(size=(4, 8)).astype(np.float32)
+    good = (indices >= 0) & (indices < 97)
+
+    def run(p):
+        def f(c, w):
+            return tt_embedding_bag(c, indices, offsets, layout=layout, pooling="mean",
+                                    per_sample_weights=w, bounds_check_mode="NONE", backend=backend)
+        out, vjp = jax.vjp(f, cores, p)
+        return (out, *vjp(jnp.asarray(g)))
+
+    out, grad_cores, gpsw = run(psw)
+    full = np.asarray(tt_full_weight(cores, layout=layout), np.float64)
+    want = np.zeros((4, 8))
+    want_gpsw = np.zeros(10)
+    off = clamp_offsets(offsets, 10)
+    for k in range(4):
+        length = off[k + 1] - off[k]
+        for p in range(off[k], off[k + 1]):
+            if good[p]:
+                want[k] += psw[p] * full[indices[p]] / length
+                want_gpsw[p] = g[k] @ full[indices[p]] / length
+    np.testing.assert_allclose(out, want, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(gpsw, want_gpsw, rtol=1e-4, atol=1e-6)
+    # The bad ids' cores gradients are those of the same batch with their weights at 0.
+    _, grad_masked, _ = run(np.where(good, psw, 0).astype(np.float32))
+    for got, masked in zip(grad_cores, grad_masked):
+        np.testing.assert_allclose(got, masked, rtol=1e-5, atol=1e-7)
