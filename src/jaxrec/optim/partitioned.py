@@ -123,6 +123,10 @@ class TrainStep:
         """The jitted step's ``lower`` (to inspect its HLO)."""
         return self._jitted.lower(*args)
 
+    def _cache_size(self) -> int:
+        """Compilations so far (the jitted step's)."""
+        return self._jitted._cache_size()
+
     def check(self) -> None:
         self._monitor.check()
 
