@@ -137,8 +137,6 @@ def reference_step(config, weights, states, grads, step):
 def _reference_row(c, w, g, s, t):
     name = type(c).__name__
     lr = c.learning_rate
-    if c.gradient_clipping:
-        g = np.clip(g, -c.max_gradient, c.max_gradient)
     if name == "SGD":
         w = w - lr * g
     elif name == "Adagrad":

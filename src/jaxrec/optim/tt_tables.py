@@ -58,7 +58,7 @@ from jaxrec.ops.tt_reference import (
     tt_rows,
 )
 from jaxrec.optim import _configs as C
-from jaxrec.optim._rowwise import update_rows
+from jaxrec.optim._rowwise import clip_output_gradient, update_rows
 from jaxrec.optim._state import buffer_fields
 from jaxrec.optim.fused_tables import _record_update
 
@@ -228,11 +228,15 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
         """Positions' bag, scale and validity; the TT weights; the cache hits."""
         n = indices.shape[0]
         bag = bag_of_position(offsets, n)
-        valid = (bag >= 0) & (bag < offsets.shape[0] - 1)
+        # An id outside the table is never counted or served by the cache (NONE drops it),
+        # and is checked before the int32 cast so that a wide id cannot wrap into a row.
+        in_table = (indices >= 0) & (indices < tables.layout.num_embeddings)
+        valid = (bag >= 0) & (bag < offsets.shape[0] - 1) & in_table
         weights = psw if spec.weighted else jnp.ones((n,), jnp.float32)
         if not cached:
             return bag, valid, psw, None, None
-        hit, location = tc.cache_lookup(tables.cache.to_cache(), indices.astype(jnp.int32))
+        ids = jnp.where(in_table, indices, 0).astype(jnp.int32)
+        hit, location = tc.cache_lookup(tables.cache.to_cache(), ids)
         hit = hit & valid
         return bag, valid, jnp.where(hit, 0.0, weights), hit, location
 
@@ -258,6 +262,8 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
     def backward(residuals, grad_output):
         tables, psw, indices, offsets, (bag, valid, tt_weights, hit, location) = residuals
         _record_update(name)
+        gate = _step_guard.table_gate(name, grad_output)  # on the raw gradient: clip hides Inf
+        grad_output = clip_output_gradient(config, tables.hparams, grad_output)
         grad_cores, grad_psw = tt_gradients(tt_spec, grad_output, tables.cores, tt_weights,
                                             indices, offsets)
         step_state = functools.partial(config.state_type, step=tables.step)
@@ -272,11 +278,10 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
         if cached:
             updated, grad_psw = _train_cache(spec, config, updated, grad_output, psw, offsets,
                                              bag, hit, location, grad_psw)
-            counted = TTCacheState.of(tc.count_ids(updated.cache.to_cache(),
-                                                   indices.astype(jnp.int32), valid))
+            ids = jnp.where(valid, indices, 0).astype(jnp.int32)  # valid: inside the table
+            counted = TTCacheState.of(tc.count_ids(updated.cache.to_cache(), ids, valid))
             updated = dataclasses.replace(updated, cache=dataclasses.replace(
                 counted, ids=_no_grad(tables.cache.ids)))
-        gate = _step_guard.table_gate(name, grad_output)
         if gate is not None:  # a train step's guard gated the update off: keep every value
             updated = _keep_unless(gate, updated, tables)
         # The updated tables take the place of the gradient; the int step has none
