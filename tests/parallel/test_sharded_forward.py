@@ -127,8 +127,9 @@ def rows_past_capacity(sharded, kjt) -> int:
 
 def test_a_batch_past_the_row_return_capacity_is_refused_or_counted():
     """A batch that did not pass through shard_batch(model=) may ask one owner for more
-    distinct rows than the capacity holds: FATAL raises on every device; WARNING drops
-    their ids and counts them in dropped_ids (never silently)."""
+    distinct rows than the capacity holds: FATAL skips the train step's update on every
+    device and raises after it; WARNING drops their ids and counts them in dropped_ids
+    (never silently)."""
     kjt = random_kjt(np.random.default_rng(5), weighted=False, one_hot=True)
     ids = np.asarray(kjt.values())
     sizing = KeyedJaggedTensor.from_lengths_sync(KEYS, np.zeros_like(ids), kjt.lengths())
@@ -145,11 +146,13 @@ def test_a_batch_past_the_row_return_capacity_is_refused_or_counted():
         step(sharded, opt, batch)
         assert int(sharded.dropped_ids.get_value()) == 0
         crowded_batch = par.shard_batch(crowded, mesh())
-        if mode == "FATAL":
-            with pytest.raises(Exception, match="asks one owner for more distinct rows than the "
-                                                "row return capacity"):
-                jax.block_until_ready(step(sharded, opt, crowded_batch))
-            forget_failed_callbacks()
+        if mode == "FATAL":  # inside a train step: no update, raised after the step
+            before = np.asarray(sharded.split_embedding_weights()["t_user"])
+            step(sharded, opt, crowded_batch)
+            with pytest.raises(ValueError, match="train step 1: .*asks one owner for more "
+                                                 "distinct rows than the row return capacity"):
+                step.check()
+            np.testing.assert_array_equal(sharded.split_embedding_weights()["t_user"], before)
         else:
             step(sharded, opt, crowded_batch)
             assert int(sharded.dropped_ids.get_value()) == rows_past_capacity(sharded, crowded) > 0
