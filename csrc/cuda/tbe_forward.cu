@@ -57,6 +57,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   ClampBag(offsets[bag], offsets[bag + 1], args.num_indices, &start, &end);
   const int64_t dim = __ldg(args.dims + f);
   const int64_t rows = __ldg(args.rows + f);
+  // A table without rows has no row 0 to read in place of a bad id: nothing to read.
+  const int64_t stop = rows > 0 ? end : start;
   const W* table = weights + __ldg(args.table_offsets + f);
   const bool vector_rows = dim % 4 == 0 && __ldg(args.table_offsets + f) % 4 == 0;
   const float* psw = args.per_sample_weights;
@@ -88,22 +90,28 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
       const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
       int64_t p = start;
       if (vector_rows) {
-        for (; p + kUnroll <= end; p += kUnroll) {
+        for (; p + kUnroll <= stop; p += kUnroll) {
           float4 v[kUnroll];
           float w[kUnroll];
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) {
+            // The load is unconditional (a bad id reads row 0 instead, then the value is
+            // dropped), so the kUnroll loads stay in flight together as before the guard.
             const I id = indices[p + u];
             const bool ok = RowInRange(id, rows);
-            v[u] = ok ? Load4(table + static_cast<int64_t>(id) * dim + c) : zero;
-            w[u] = ok ? (psw ? psw[p + u] : 1.f) : 0.f;
+            const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
+            const float pw = psw ? psw[p + u] : 1.f;
+            v[u] = ok ? x : zero;
+            w[u] = ok ? pw : 0.f;
           }
 #pragma unroll
           for (int u = 0; u < kUnroll; ++u) Fma4(acc, w[u], v[u]);
         }
-        for (; p < end; ++p) {
+        for (; p < stop; ++p) {
           const I id = indices[p];
-          if (RowInRange(id, rows)) Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(id) * dim + c));
+          const bool ok = RowInRange(id, rows);
+          const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
+          Fma4(acc, ok ? (psw ? psw[p] : 1.f) : 0.f, ok ? x : zero);
         }
       } else {
         for (; p < end; ++p) {

@@ -5,8 +5,9 @@ kernel and the jnp reference here and on the CUDA kernel where there is a GPU (m
 ``gpu``), then a seeded fuzz over ids, offsets and per-sample weights in every mode.
 The oracle is a float64 NumPy model of the documented semantics::
 
-    # NONE: offsets -> max_{j<=i} clip(offsets[j], 0, N); an id outside [0, rows(f))
-    #       adds nothing (MEAN still divides by L) and gets zero gradients.
+    # NONE: offsets -> max_{j<=i} clip(offsets[j], 0, N) (the CUDA forward: each bag
+    #       clipped into [0, N] on its own); an id outside [0, rows(f)) adds nothing
+    #       (MEAN still divides by L) and gets zero gradients.
     # WARNING / IGNORE: the same offsets, bad ids -> 0.   FATAL: an error.
     #
     # layout: t0 (11 x 4), t1 (5 x 3), t2 (17 x 8), canary t3 (7 x 2, read by no feature)
@@ -40,6 +41,12 @@ def backend(request):
         yield name
 
 
+def cuda_kernel(backend: str) -> bool:
+    """Whether ``backend`` (inside the ``backend`` fixture) runs the CUDA kernel."""
+    device = jax.config.jax_default_device
+    return backend == "kernel" and device is not None and device.platform == "gpu"
+
+
 def random_tables(rng, layout=LAYOUT):
     return [rng.uniform(-1, 1, (r, d)).astype(np.float32) for r, d in zip(layout.rows, layout.dims)]
 
@@ -60,27 +67,37 @@ def clamp_offsets(offsets, n):
     return np.maximum.accumulate(np.clip(np.asarray(offsets, np.int64), 0, n))
 
 
-def bags(layout, indices, offsets):
-    """(feature, sample, position, id, valid) of every position inside a bag."""
-    n = len(indices)
-    off = clamp_offsets(offsets, n)
-    batch = (len(off) - 1) // layout.num_features
-    for k in range(len(off) - 1):
+def bag_ranges(offsets, n, per_bag=False):
+    """[start, end) of each bag: the corrected offsets, or (``per_bag``, the CUDA forward
+    under NONE) each bag clamped into [0, N] on its own, so that bags may overlap."""
+    if not per_bag:
+        off = clamp_offsets(offsets, n)
+        return list(zip(off[:-1], off[1:]))
+    off = np.clip(np.asarray(offsets, np.int64), 0, n)
+    return [(s, max(s, e)) for s, e in zip(off[:-1], off[1:])]
+
+
+def bags(layout, indices, offsets, per_bag=False):
+    """(feature, sample, position, id, valid, length) of every position inside a bag."""
+    ranges = bag_ranges(offsets, len(indices), per_bag)
+    batch = len(ranges) // layout.num_features
+    for k, (start, end) in enumerate(ranges):
         f, b = divmod(k, batch)
-        for p in range(off[k], off[k + 1]):
+        for p in range(start, end):
             i = int(indices[p])
-            yield f, b, p, i, 0 <= i < layout.feature_rows[f], off[k + 1] - off[k]
+            yield f, b, p, i, 0 <= i < layout.feature_rows[f], end - start
 
 
-def model(layout, tables, indices, offsets, pooling, psw, grad_output):
-    """Output, table gradients and per-sample-weight gradient of the NONE semantics."""
+def model(layout, tables, indices, offsets, pooling, psw, grad_output, per_bag=False):
+    """Output, table gradients and per-sample-weight gradient of the NONE semantics
+    (``per_bag``: the bags of the CUDA forward under NONE, ``bag_ranges``)."""
     batch = (len(offsets) - 1) // layout.num_features
     cols = layout.output_offsets
     out = np.zeros((batch, layout.total_dim))
     grads = [np.zeros(t.shape) for t in tables]
     gpsw = np.zeros(len(indices))
     g = np.asarray(grad_output, np.float64)
-    for f, b, p, i, ok, length in bags(layout, indices, offsets):
+    for f, b, p, i, ok, length in bags(layout, indices, offsets, per_bag):
         if not ok:
             continue
         t = layout.feature_table_map[f]
@@ -116,8 +133,13 @@ def lookup_and_grads(weights, indices, offsets, psw, grad_output, *, pooling, mo
     return np.asarray(out), split(layout, gw), np.asarray(gpsw)
 
 
-def check_against_model(layout, tables, indices, offsets, psw, grad_output, got, pooling):
+def check_against_model(layout, tables, indices, offsets, psw, grad_output, got, pooling,
+                        cuda_none=False):
+    """``cuda_none``: the CUDA kernel under NONE, whose forward clamps each bag on its own
+    (docs/bounds_check.md); its gradients take the corrected offsets like every path."""
     want_out, want_grads, want_gpsw = model(layout, tables, indices, offsets, pooling, psw, grad_output)
+    if cuda_none:
+        want_out = model(layout, tables, indices, offsets, pooling, psw, grad_output, True)[0]
     out, grads, gpsw = got
     np.testing.assert_allclose(out, want_out, rtol=RTOL, atol=ATOL)
     for t in range(layout.num_tables):
@@ -188,7 +210,8 @@ def test_bad_offsets_under_none_are_clamped(backend, offsets):
     g = rng.normal(size=(BATCH, LAYOUT.total_dim)).astype(np.float32)
     got = lookup_and_grads(flat(LAYOUT, tables), indices, offsets, psw, g, pooling=PoolingMode.MEAN,
                            mode="NONE", backend=backend)
-    check_against_model(LAYOUT, tables, indices, offsets, psw, g, got, PoolingMode.MEAN)
+    check_against_model(LAYOUT, tables, indices, offsets, psw, g, got, PoolingMode.MEAN,
+                        cuda_none=cuda_kernel(backend))
 
 
 def test_sequence_pooling_gives_zero_rows_for_bad_ids(backend):
@@ -316,7 +339,8 @@ def test_fuzz_lookup_every_mode(backend, mode):
         if mode in ("WARNING", "IGNORE"):
             indices = corrected_ids(LAYOUT, indices, offsets)
         check_against_model(LAYOUT, tables, indices, offsets, psw, g,
-                            (np.asarray(out), split(LAYOUT, gw), np.asarray(gpsw)), PoolingMode.MEAN)
+                            (np.asarray(out), split(LAYOUT, gw), np.asarray(gpsw)), PoolingMode.MEAN,
+                            cuda_none=mode == "NONE" and cuda_kernel(backend))
 
 
 @pytest.mark.parametrize("mode", MODES)

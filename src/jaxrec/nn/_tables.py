@@ -22,8 +22,7 @@ from flax import nnx
 
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
 from jaxrec.nn._memory import check_fits
-from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, embedding_bag_lookup
-from jaxrec.ops.bounds_check import as_bounds_check_mode
+from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
 from jaxrec.optim import FusedEmbeddingTables, OptimizerConfig, fused_lookup, init_state
 from jaxrec.sparse import KeyedJaggedTensor
 
@@ -123,15 +122,10 @@ class TableCollection(nnx.Module):
             return self.tables[i](values, offsets, features.weights_or_none(),
                                   num_features=len(self.groups[i].feature_names))
         group = self.groups[i]
-        if as_bounds_check_mode(self.bounds_check_mode) != BoundsCheckMode.NONE:
-            # Checked here, where the features and tables have names for FATAL's message.
-            values, offsets, _ = bounds_check_indices(
-                group.layout.feature_rows, values, offsets, self.bounds_check_mode,
-                feature_names=list(group.feature_names),
-                table_names=[group.tables[t].name for t in group.layout.feature_table_map],
-                backend=self.backend)
         kwargs = dict(pooling=pooling, per_sample_weights=features.weights_or_none(),
-                      bounds_check_mode=BoundsCheckMode.NONE, backend=self.backend)
+                      bounds_check_mode=self.bounds_check_mode, backend=self.backend,
+                      feature_names=list(group.feature_names),  # for FATAL's message
+                      table_names=[group.tables[t].name for t in group.layout.feature_table_map])
         table = self.tables[i].get_value()
         if self.fused:
             return fused_lookup(table, values, offsets, **kwargs)

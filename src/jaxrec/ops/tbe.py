@@ -27,14 +27,21 @@ No bounds-check mode reads or writes outside a feature's own table. With
 ``bounds_check_mode="NONE"`` (docs/bounds_check.md, "What NONE does with a bad id"):
 an id outside ``[0, rows)`` of its feature's table contributes nothing (no row is
 read; its row gradient is dropped and its per-sample-weight gradient is 0; MEAN still
-divides by the bag's length L, dropped ids included), and the offsets are clamped
-into ``[0, N]`` and made non-decreasing (``clamp_offsets``), as the other modes do.
+divides by the bag's length L, dropped ids included). Offsets under NONE are read
+memory-safely: the CUDA forward kernel clamps each bag into ``[0, N]``; the CPU
+forward, the references and every gradient use the other modes' correction
+(``clamp_offsets``: clamped and non-decreasing). Both agree whenever the offsets are
+non-decreasing; for decreasing offsets (input NONE promises not to have) the CUDA
+forward's bags may overlap where the others' do not. The correction is a scan over
+T * B + 1 offsets that cost the GPU lookup up to a third of its time, so the CUDA
+forward leaves it out (docs/bounds_check.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +80,8 @@ def embedding_bag_lookup(
     output_dtype=jnp.float32,
     bounds_check_mode: BoundsCheckMode | int | str = BoundsCheckMode.WARNING,
     backend: str = "auto",
+    feature_names: Sequence[str] | None = None,
+    table_names: Sequence[str] | None = None,
 ) -> jax.Array:
     """Pooled (or sequence) embeddings of every feature in one launch; see the module doc.
 
@@ -92,15 +101,17 @@ def embedding_bag_lookup(
         (see the module doc); no mode reads outside the feature's table. The WARNING
         count is not returned here: call ``bounds_check_indices`` yourself to read it.
       backend: "auto", "kernel" or "reference".
+      feature_names, table_names: ``[T]`` names of the features and of their tables, for
+        FATAL's message (default: their indices).
     """
     config, indices, offsets, per_sample_weights = _validate(
         weights, indices, offsets, layout, pooling, per_sample_weights, output_dtype, backend)
-    if as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE:
+    checked = as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE
+    if checked:
         indices, offsets, _ = bounds_check_indices(
-            layout.feature_rows, indices, offsets, bounds_check_mode,
-            table_names=[str(t) for t in layout.feature_table_map], backend=backend)
-    else:
-        offsets = clamp_offsets(offsets, indices.shape[0])
+            layout.feature_rows, indices, offsets, bounds_check_mode, feature_names=feature_names,
+            table_names=table_names or [str(t) for t in layout.feature_table_map], backend=backend)
+    config = dataclasses.replace(config, offsets_checked=checked)
     return _lookup(config)(weights, per_sample_weights, indices, offsets)
 
 
@@ -114,6 +125,7 @@ class _Config:
     output_dtype: str
     weighted: bool
     backend: str
+    offsets_checked: bool = False  # by bounds_check_indices: already clamped, non-decreasing
 
 
 @functools.cache
@@ -131,6 +143,8 @@ def _lookup(config: _Config):
 
     def backward(residuals, grad_output):
         weights, per_sample_weights, indices, offsets = residuals
+        if not config.offsets_checked:  # NONE: the gradients take the corrected offsets
+            offsets = clamp_offsets(offsets, indices.shape[0])
         grad_weights, grad_psw = _ffi.dispatch(
             {"cpu": functools.partial(_backward_kernel_cpu, config),
              "cuda": functools.partial(_backward_kernel_cuda, config)},
@@ -149,6 +163,8 @@ def _output_shape(config: _Config, indices, offsets) -> tuple[int, int]:
 
 
 def _forward_kernel_cpu(config: _Config, weights, per_sample_weights, indices, offsets):
+    if not config.offsets_checked:  # the CPU handlers take corrected offsets only
+        offsets = clamp_offsets(offsets, indices.shape[0])
     out = jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype)
     call = jax.ffi.ffi_call("jaxrec_tbe_forward", out, vmap_method="sequential")
     return call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
@@ -180,7 +196,8 @@ def _warp_schedule(dims: tuple[int, ...], batch_size: int) -> np.ndarray:
 
 def _forward_reference(config: _Config, weights, per_sample_weights, indices, offsets):
     return embedding_bag_reference(
-        weights, indices, offsets, per_sample_weights if config.weighted else None,
+        weights, indices, clamp_offsets(offsets, indices.shape[0]),
+        per_sample_weights if config.weighted else None,
         layout=config.layout, pooling=config.pooling, output_dtype=config.output_dtype)
 
 

@@ -113,24 +113,26 @@ def fused_lookup(tables: FusedEmbeddingTables, indices: jax.Array, offsets: jax.
                  pooling: PoolingMode | int = PoolingMode.SUM, per_sample_weights=None,
                  output_dtype=jnp.float32,
                  bounds_check_mode: BoundsCheckMode | int | str = BoundsCheckMode.WARNING,
-                 backend: str = "auto") -> jax.Array:
+                 backend: str = "auto", feature_names=None, table_names=None) -> jax.Array:
     """``embedding_bag_lookup`` of ``tables`` whose backward is the fused update (module doc).
 
     Differentiate it with ``fused_value_and_grad`` or ``make_train_step`` only.
+    ``feature_names``, ``table_names``: ``[T]`` names for FATAL's message.
     """
     if not isinstance(tables, FusedEmbeddingTables):
         raise TypeError(f"tables must be FusedEmbeddingTables, got {type(tables).__name__}")
     layout = tables.layout
     pooling = as_pooling_mode(pooling)
     indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
-    if as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE:
+    checked = as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE
+    if checked:
         indices, offsets, _ = bounds_check_indices(
-            layout.feature_rows, indices, offsets, bounds_check_mode,
-            table_names=[str(t) for t in layout.feature_table_map], backend=backend)
+            layout.feature_rows, indices, offsets, bounds_check_mode, feature_names=feature_names,
+            table_names=table_names or [str(t) for t in layout.feature_table_map], backend=backend)
     weighted = per_sample_weights is not None
     psw = jnp.asarray(per_sample_weights) if weighted else jnp.zeros((0,), jnp.float32)
     spec = _Spec(layout, tables.config, tables.name, pooling, jnp.dtype(output_dtype).name,
-                 weighted, backend)
+                 weighted, backend, checked)
     return _lookup(spec)(tables, psw, indices, offsets)
 
 
@@ -143,6 +145,7 @@ class _Spec:
     output_dtype: str
     weighted: bool
     backend: str
+    checked: bool  # the forward ran bounds_check_indices: offsets are already corrected
 
 
 @functools.cache
@@ -169,7 +172,8 @@ def _lookup(spec: _Spec):
             tables.weights, tables.state, grad_output, indices, offsets, layout=spec.layout,
             config=spec.config, hparams=tables.hparams, pooling=spec.pooling,
             per_sample_weights=psw if spec.weighted else None,
-            bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend)  # checked in fused_lookup
+            bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend,
+            offsets_checked=spec.checked)  # the check ran in fused_lookup
         # The updated tables take the place of the gradient; the int step has none (its
         # increment is applied by fused_value_and_grad), nor do the hyperparameters.
         updated = dataclasses.replace(

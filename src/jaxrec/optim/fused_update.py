@@ -104,8 +104,12 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
 
 
 def _fused_update(weights, state, grad_output, indices, offsets, *, layout, config, hparams,
-                  pooling, per_sample_weights, bounds_check_mode, backend):
-    """``fused_update`` that also returns the per-sample weights' gradient (or None)."""
+                  pooling, per_sample_weights, bounds_check_mode, backend,
+                  offsets_checked: bool = False):
+    """``fused_update`` that also returns the per-sample weights' gradient (or None).
+
+    ``offsets_checked``: the caller ran ``bounds_check_indices`` (``fused_lookup``'s
+    forward), so NONE here need not correct the offsets again."""
     op, hparams, grad_output, indices, offsets, per_sample_weights = _validate(
         weights, state, grad_output, indices, offsets, layout, config, hparams, pooling,
         per_sample_weights, backend)
@@ -113,7 +117,7 @@ def _fused_update(weights, state, grad_output, indices, offsets, *, layout, conf
         indices, offsets, _ = bounds_check_indices(
             layout.feature_rows, indices, offsets, bounds_check_mode,
             table_names=[str(t) for t in layout.feature_table_map], backend=backend)
-    else:
+    elif not offsets_checked:
         offsets = clamp_offsets(offsets, indices.shape[0])
     grad_output = clip_output_gradient(config, hparams, grad_output)
     cuda = _kernel if max(layout.dims) <= MAX_KERNEL_DIM else _reference
