@@ -7,8 +7,9 @@
 // in index order: no atomics, the same result every run.
 //
 // Bad input reads nothing outside the feature's table nor the indices: each bag's
-// range is clamped into [0, N] (ClampBag) and an id outside [0, rows) is skipped, a
-// predicated load of zeros with weight 0 (RowInRange: one compare per id).
+// range is clamped into [0, N] (ClampBag) and an id outside [0, rows) contributes
+// nothing (RowInRange: one compare per id). A bag whose ids are all valid, nearly
+// every bag, pools without per-id checks (PoolColumns4<false>).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -38,6 +39,51 @@ struct ForwardArgs {
   bool mean;
 };
 
+// The bag's weighted sum of columns [c, c + 4) for 4-aligned rows. kChecked: some id of
+// the bag may be outside [0, rows); such an id loads row 0 instead (unconditionally, so
+// the kUnroll loads stay in flight together) and the value is dropped with a select.
+template <bool kChecked, typename W, typename I>
+__device__ __forceinline__ float4 PoolColumns4(const W* __restrict__ table,
+                                               const I* __restrict__ indices,
+                                               const float* __restrict__ psw, I start, I end,
+                                               int64_t rows, int64_t dim, int64_t c) {
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  const float4 zero = acc;
+  I p = start;
+  for (; p + kUnroll <= end; p += kUnroll) {
+    float4 v[kUnroll];
+    float w[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const I id = indices[p + u];
+      const float pw = psw ? psw[p + u] : 1.f;
+      if constexpr (kChecked) {
+        const bool ok = RowInRange(id, rows);
+        const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
+        v[u] = ok ? x : zero;
+        w[u] = ok ? pw : 0.f;
+      } else {
+        v[u] = Load4(table + static_cast<int64_t>(id) * dim + c);
+        w[u] = pw;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) Fma4(acc, w[u], v[u]);
+  }
+  for (; p < end; ++p) {
+    const I id = indices[p];
+    const float pw = psw ? psw[p] : 1.f;
+    if constexpr (kChecked) {
+      const bool ok = RowInRange(id, rows);
+      const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
+      Fma4(acc, ok ? pw : 0.f, ok ? x : zero);
+    } else {
+      Fma4(acc, pw, Load4(table + static_cast<int64_t>(id) * dim + c));
+    }
+  }
+  return acc;
+}
+
 // kSequence: PoolingMode::kNone, one output row per index position.
 template <typename W, typename O, typename I, bool kSequence>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
@@ -57,8 +103,10 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   ClampBag(offsets[bag], offsets[bag + 1], args.num_indices, &start, &end);
   const int64_t dim = __ldg(args.dims + f);
   const int64_t rows = __ldg(args.rows + f);
-  // A table without rows has no row 0 to read in place of a bad id: nothing to read.
-  const int64_t stop = rows > 0 ? end : start;
+  // Positions fit I (N < 2^31 is validated); a table without rows has no row 0 to read
+  // in place of a bad id, so its bags read nothing.
+  const I first = static_cast<I>(start);
+  const I last = static_cast<I>(rows > 0 ? end : start);
   const W* table = weights + __ldg(args.table_offsets + f);
   const bool vector_rows = dim % 4 == 0 && __ldg(args.table_offsets + f) % 4 == 0;
   const float* psw = args.per_sample_weights;
@@ -84,37 +132,19 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
     O* out_row = out + b * args.total_dim + __ldg(args.output_offsets + f);
     const bool vector_out = args.total_dim % 4 == 0 && __ldg(args.output_offsets + f) % 4 == 0;
     const float scale = args.mean && end > start ? 1.f / static_cast<float>(end - start) : 1.f;
+    // Almost every bag holds valid ids only: one pass over its ids (independent loads,
+    // which the pooling then reads again from cache) lets it pool without per-id checks.
+    bool all_valid = true;
+#pragma unroll 4
+    for (I p = first; p < last; ++p) all_valid &= RowInRange(indices[p], rows);
     for (int64_t c = 4 * group_lane; c < dim; c += chunk) {
       const int count = ColumnsLeft(dim, c);
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-      const float4 zero = make_float4(0.f, 0.f, 0.f, 0.f);
-      int64_t p = start;
       if (vector_rows) {
-        for (; p + kUnroll <= stop; p += kUnroll) {
-          float4 v[kUnroll];
-          float w[kUnroll];
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            // The load is unconditional (a bad id reads row 0 instead, then the value is
-            // dropped), so the kUnroll loads stay in flight together as before the guard.
-            const I id = indices[p + u];
-            const bool ok = RowInRange(id, rows);
-            const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
-            const float pw = psw ? psw[p + u] : 1.f;
-            v[u] = ok ? x : zero;
-            w[u] = ok ? pw : 0.f;
-          }
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) Fma4(acc, w[u], v[u]);
-        }
-        for (; p < stop; ++p) {
-          const I id = indices[p];
-          const bool ok = RowInRange(id, rows);
-          const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
-          Fma4(acc, ok ? (psw ? psw[p] : 1.f) : 0.f, ok ? x : zero);
-        }
+        acc = all_valid ? PoolColumns4<false>(table, indices, psw, first, last, rows, dim, c)
+                        : PoolColumns4<true>(table, indices, psw, first, last, rows, dim, c);
       } else {
-        for (; p < end; ++p) {
+        for (I p = first; p < last; ++p) {
           const I id = indices[p];
           if (RowInRange(id, rows)) {
             Fma4(acc, psw ? psw[p] : 1.f, LoadPartial4(table + static_cast<int64_t>(id) * dim + c, count));
