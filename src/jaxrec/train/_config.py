@@ -51,7 +51,8 @@ class TrainConfig:
     epochs: int | None = None
     embedding_dim: int = 16
     max_rows: int = 20_000
-    """Caps every table (Criteo ids are hashed modulo the table size)."""
+    """Caps every table (Criteo ids are hashed modulo the table size; MovieLens dense ids
+    fold, ``i % max_rows``)."""
     tt_ranks: tuple[int, ...] = ()
     """TT-compress (FBTT) every table of at least ``tt_min_rows`` rows with these inner
     ranks, e.g. (8, 8) for three cores; () keeps all tables dense. A TT table trains with
