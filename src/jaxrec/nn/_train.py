@@ -29,7 +29,6 @@ import optax
 from flax import nnx
 
 from jaxrec import _step_guard, optim
-from jaxrec._step_guard import StepMonitor
 from jaxrec.nn._split_cache import (
     SplitCache,
     raw_values,
@@ -88,7 +87,7 @@ class TrainStep:
     def __init__(self, loss_fn, *, has_aux: bool, donate: bool, on_nonfinite: str):
         self._loss_fn, self._has_aux, self._donate = loss_fn, has_aux, donate
         self._policy = on_nonfinite
-        self._monitor = StepMonitor(on_nonfinite)
+        self._monitor = _step_guard.StepMonitor(on_nonfinite)
         self._splits = SplitCache()
         self._compiled = functools.cache(self._compile)
 

@@ -138,9 +138,31 @@ def _bounds_check(rows, indices, offsets, *, mode, labels, backend):
 def bounds_check_indices_reference(rows, indices, offsets, mode: BoundsCheckMode,
                                    labels: Sequence[str]) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Pure-jnp bounds check: the test oracle and the fallback where no handler is built."""
+    found = _find_bad(rows, indices, offsets, mode)
+    if mode == BoundsCheckMode.FATAL:
+        # Raised when the computation runs (a JaxRuntimeError carrying this message).
+        _step_guard.report_fatal(_report(indices, offsets, found),
+                                 _FatalMessage(tuple(labels), _batch_size(rows, offsets),
+                                               indices.shape[0]))
+        return indices, offsets, jnp.zeros((), jnp.int32)
+    count = jnp.sum(found.bad_bag, dtype=jnp.int32) + jnp.sum(found.bad_id, dtype=jnp.int32)
+    num_corrected = count if mode == BoundsCheckMode.WARNING else jnp.zeros((), jnp.int32)
+    return jnp.where(found.bad_id, 0, indices).astype(indices.dtype), found.corrected, num_corrected
+
+
+class _Found(NamedTuple):
+    corrected: jax.Array  # the corrected offsets
+    bad_bag: jax.Array    # [T * B] bool
+    bad_id: jax.Array     # [N] bool
+    safe_bag: jax.Array   # [N] each position's bag, clipped
+    num_rows: jax.Array   # [N] rows of each position's table
+
+
+def _find_bad(rows, indices, offsets, mode: BoundsCheckMode) -> _Found:
+    """The bad bags and ids, as FBGEMM's loop sees them (FATAL: by the given offsets,
+    the others: by the corrected ones)."""
     n = indices.shape[0]
     num_bags = offsets.shape[0] - 1
-    batch_size = num_bags // rows.shape[0] if rows.shape[0] else 1
     corrected = jax.lax.cummax(jnp.clip(offsets, 0, n))
     start = jnp.concatenate([offsets[:1], corrected[1:-1]])
     end = offsets[1:]
@@ -151,48 +173,29 @@ def bounds_check_indices_reference(rows, indices, offsets, mode: BoundsCheckMode
     bag = jnp.searchsorted(used, position, side="right").astype(indices.dtype) - 1
     in_bag = (bag >= 0) & (bag < num_bags)
     safe_bag = jnp.clip(bag, 0, max(num_bags - 1, 0))
+    batch_size = _batch_size(rows, offsets)
     num_rows = rows[safe_bag // batch_size] if num_bags else jnp.zeros_like(indices)
     bad_id = in_bag & ((indices < 0) | (indices >= num_rows))
-
-    if mode == BoundsCheckMode.FATAL:
-        report = _report(bad_bag, bad_id, offsets, indices, safe_bag, num_rows)
-        # Raised when the computation runs (a JaxRuntimeError carrying this message).
-        _step_guard.report_fatal(report, _FatalMessage(tuple(labels), batch_size, n))
-        return indices, offsets, jnp.zeros((), jnp.int32)
-
-    count = jnp.sum(bad_bag, dtype=jnp.int32) + jnp.sum(bad_id, dtype=jnp.int32)
-    num_corrected = count if mode == BoundsCheckMode.WARNING else jnp.zeros((), jnp.int32)
-    return jnp.where(bad_id, 0, indices).astype(indices.dtype), corrected, num_corrected
+    return _Found(corrected, bad_bag, bad_id, safe_bag, num_rows)
 
 
-def _report(bad_bag, bad_id, offsets, indices, safe_bag, num_rows) -> jax.Array:
+def _report(indices, offsets, found: _Found) -> jax.Array:
     """FATAL's report, one vector of the ids' dtype: ``[any bad, any bad bag, bag, start,
     end, any bad id, position, id, id's bag, rows]`` (``_FatalMessage`` reads it)."""
     n, num_bags = indices.shape[0], offsets.shape[0] - 1
-    first_bag = jnp.argmax(bad_bag) if num_bags else 0
-    first_id = jnp.argmax(bad_id) if n else 0
+    first_bag = jnp.argmax(found.bad_bag) if num_bags else 0
+    first_id = jnp.argmax(found.bad_id) if n else 0
     pick = (lambda x: x[first_id]) if n else (lambda x: 0)
-    parts = (jnp.any(bad_bag) | jnp.any(bad_id), jnp.any(bad_bag), first_bag, offsets[first_bag],
-             offsets[first_bag + 1], jnp.any(bad_id), first_id, pick(indices), pick(safe_bag),
-             pick(num_rows))
+    any_bag, any_id = jnp.any(found.bad_bag), jnp.any(found.bad_id)
+    parts = (any_bag | any_id, any_bag, first_bag, offsets[first_bag], offsets[first_bag + 1],
+             any_id, first_id, pick(indices), pick(found.safe_bag), pick(found.num_rows))
     return jnp.stack([jnp.asarray(x).astype(indices.dtype) for x in parts])
 
 
 @jax.jit
 def _fatal_report(rows, indices, offsets) -> jax.Array:
     """FATAL's report without raising (a train step raises it after the step)."""
-    n = indices.shape[0]
-    num_bags = offsets.shape[0] - 1
-    batch_size = num_bags // rows.shape[0] if rows.shape[0] else 1
-    corrected = jax.lax.cummax(jnp.clip(offsets, 0, n))
-    start = jnp.concatenate([offsets[:1], corrected[1:-1]])
-    bad_bag = (start < 0) | (start > offsets[1:]) | (offsets[1:] > n)
-    bag = jnp.searchsorted(offsets, jnp.arange(n, dtype=indices.dtype), side="right")
-    bag = bag.astype(indices.dtype) - 1
-    safe_bag = jnp.clip(bag, 0, max(num_bags - 1, 0))
-    num_rows = rows[safe_bag // batch_size] if num_bags else jnp.zeros_like(indices)
-    bad_id = (bag >= 0) & (bag < num_bags) & ((indices < 0) | (indices >= num_rows))
-    return _report(bad_bag, bad_id, offsets, indices, safe_bag, num_rows)
+    return _report(indices, offsets, _find_bad(rows, indices, offsets, BoundsCheckMode.FATAL))
 
 
 def _batch_size(rows, offsets) -> int:

@@ -26,8 +26,6 @@ from __future__ import annotations
 from collections import Counter
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 import optax
 
 from jaxrec import _step_guard
@@ -64,12 +62,11 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
                              "name several. Give each a distinct name= in its create()")
         guard = _step_guard.active()
         with record_updates() as updates:
-            out, vjp_fn = jax.vjp(lambda p, t: loss_fn(p, t, *args, **kwargs), params, tables)
-            loss, aux = out if has_aux else (out, None)
-            cotangent = _step_guard.seed(guard, loss)
-            dense_grads, table_grads = vjp_fn((cotangent, _zero_cotangent(aux)) if has_aux
-                                              else cotangent)
-        value = (loss, aux) if has_aux else loss
+            # jax.vjp rather than jax.value_and_grad: the backward's seed is ours to choose.
+            loss, vjp_fn, *aux = jax.vjp(lambda p, t: loss_fn(p, t, *args, **kwargs), params,
+                                         tables, has_aux=has_aux)
+            dense_grads, table_grads = vjp_fn(_step_guard.seed(guard, loss))
+        value = (loss, *aux) if has_aux else loss
         repeated = sorted(n for n, c in updates.items() if c > 1)
         if repeated:
             raise ValueError(
@@ -91,16 +88,6 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
         return value, dense_grads, new_tables
 
     return value_and_grad
-
-
-def _zero_cotangent(tree):
-    """Zero cotangents for ``aux`` outputs (float0 for integer leaves)."""
-    def zero(x):
-        x = jnp.asarray(x)
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            return jnp.zeros_like(x)
-        return np.zeros(x.shape, jax.dtypes.float0)
-    return jax.tree.map(zero, tree)
 
 
 class TrainStep:
