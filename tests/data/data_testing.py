@@ -1,8 +1,11 @@
-"""Helpers for the data tests: host views of a ``Batch`` and an exact AUC.
+"""Helpers for the data tests: host views of a ``Batch``, an exact AUC, an unreadable file.
 
 Test modules import them by name (``from data_testing import bags``); this is not a
 ``conftest.py`` (that name is taken by ``tests/conftest.py``).
 """
+
+import builtins
+from pathlib import Path
 
 import numpy as np
 
@@ -38,3 +41,16 @@ def valid_rows(batch):
     n = int(mask.sum())
     np.testing.assert_array_equal(mask, (np.arange(mask.size) < n).astype(np.float32))
     return n
+
+
+def deny_read(monkeypatch, path) -> None:
+    """Opening ``path`` raises PermissionError for the rest of the test (chmod does not
+    stop root, which CI may be)."""
+    real_open = builtins.open
+
+    def no_permission(file, *args, **kwargs):
+        if Path(file) == Path(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_permission)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 import pytest
 
-from data_testing import bags, valid_rows
+from data_testing import bags, deny_read, valid_rows
 from jaxrec.data import (
     CRITEO_KAGGLE_CARDINALITIES,
     CRITEO_SPARSE_KEYS,
@@ -242,14 +242,7 @@ def test_error_missing_path_and_directory(tmp_path):
 
 def test_error_unreadable_file(tmp_path, monkeypatch):
     path = write_tsv(tmp_path / "locked.tsv", make_rows(3))
-    real_open = open
-
-    def no_permission(file, *args, **kwargs):  # chmod does not stop root, which CI may be
-        if Path(file) == path:
-            raise PermissionError(13, "Permission denied", str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", no_permission)
+    deny_read(monkeypatch, path)
     with pytest.raises(DataFileError, match=r"locked.tsv cannot be read \(Permission denied\); "
                                             r"check its permissions"):
         CriteoReader(path, batch_size=2, num_embeddings_per_feature=5)

@@ -8,12 +8,11 @@ Fixture lines (written by the tests)::
 """
 
 import random
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from data_testing import bags, valid_rows
+from data_testing import bags, deny_read, valid_rows
 from jaxrec.data import (
     MOVIELENS_100K_SPLITS,
     DataFileError,
@@ -210,14 +209,7 @@ def test_error_directory_and_unreadable_file(tmp_path, monkeypatch):
     with pytest.raises(DataFileError, match=r"is a directory; pass u.data / u1.base"):
         load_movielens_ratings(tmp_path)
     path = write(tmp_path / "u.data", make_ratings(3, seed=6), "tab")
-    real_open = open
-
-    def no_permission(file, *args, **kwargs):  # chmod does not stop root, which CI may be
-        if Path(file) == path:
-            raise PermissionError(13, "Permission denied", str(file))
-        return real_open(file, *args, **kwargs)
-
-    monkeypatch.setattr("builtins.open", no_permission)
+    deny_read(monkeypatch, path)
     with pytest.raises(DataFileError, match=r"u.data cannot be read \(Permission denied\)"):
         load_movielens_ratings(path)
 
