@@ -116,9 +116,15 @@ def report_fatal(report: jax.Array, message: Callable[..., str]) -> None:
 
 
 def _raise_if_bad(message, report) -> None:
+    text = _fatal_text(message, report)
+    if text is not None:
+        raise ValueError(text)
+
+
+def _fatal_text(message, report) -> str | None:
+    """``message(*report)`` for a report that found something, else None."""
     report = np.asarray(report)
-    if report[0]:
-        raise ValueError(message(*(int(x) for x in report)))
+    return message(*(int(x) for x in report)) if report[0] else None
 
 
 def report_corrected(count: jax.Array) -> None:
@@ -238,11 +244,10 @@ class StepMonitor:
         if bool(stats.applied):
             return
         for report, message in zip(stats.fatal, messages):
-            report = np.asarray(report)
-            if report[0]:
-                raise ValueError(f"train step {step}: {message(*(int(x) for x in report))} "
-                                 "The step's update was skipped: the model and optimizer "
-                                 "hold their state from before it.")
+            text = _fatal_text(message, report)
+            if text is not None:
+                raise ValueError(f"train step {step}: {text} The step's update was skipped: "
+                                 "the model and optimizer hold their state from before it.")
         if bool(stats.nonfinite) and self.policy == "raise":
             raise NonFiniteError(
                 f"train step {step}: the loss or a gradient is not finite (NaN or Inf); its "
