@@ -52,11 +52,12 @@ JAXREC_HOST_DEVICE bool RowInRange(I id, int64_t rows) {
 }
 
 // [start, end) of a bag with offsets `begin`, `end` clamped into [0, n], end >= start:
-// a last line of defence (the wrappers hand the kernels clamped offsets already).
-JAXREC_HOST_DEVICE void ClampBag(int64_t begin, int64_t end, int64_t n, int64_t* start_out,
-                                 int64_t* end_out) {
-  const int64_t start = begin < 0 ? 0 : (begin > n ? n : begin);
-  const int64_t stop = end < start ? start : (end > n ? n : end);
+// a last line of defence (the wrappers hand the kernels clamped offsets already). In the
+// offsets' own type, so that the CUDA forward clamps an int32 bag with int32 compares.
+template <typename T>
+JAXREC_HOST_DEVICE void ClampBag(T begin, T end, T n, T* start_out, T* end_out) {
+  const T start = begin < 0 ? 0 : (begin > n ? n : begin);
+  const T stop = end < start ? start : (end > n ? n : end);
   *start_out = start;
   *end_out = stop;
 }

@@ -8,8 +8,8 @@
 //
 // Bad input reads nothing outside the feature's table nor the indices: each bag's
 // range is clamped into [0, N] (ClampBag) and an id outside [0, rows) contributes
-// nothing (RowInRange: one compare per id). A bag whose ids are all valid, nearly
-// every bag, pools without per-id checks (PoolColumns4<false>).
+// nothing. Ids are clamped into the table as they are loaded; the rare bag where one
+// had to be is pooled again over its valid ids only (PoolValidIds4).
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -39,16 +39,18 @@ struct ForwardArgs {
   bool mean;
 };
 
-// The bag's weighted sum of columns [c, c + 4) for 4-aligned rows. kChecked: some id of
-// the bag may be outside [0, rows); such an id loads row 0 instead (unconditionally, so
-// the kUnroll loads stay in flight together) and the value is dropped with a select.
-template <bool kChecked, typename W, typename I>
+// The bag's weighted sum of columns [c, c + 4) for 4-aligned rows, each id clamped into
+// [0, hi] so that every load is a row of the table; *clamped says whether any id had to
+// be (the caller then pools the bag again with PoolValidIds4). Two integer ops and a
+// compare per id, no extra pass over the ids; what that costs against the unchecked
+// kernel is measured by benchmarks/tbe_guard_ab_gpu.py (docs/reliability.md).
+template <typename W, typename I>
 __device__ __forceinline__ float4 PoolColumns4(const W* __restrict__ table,
                                                const I* __restrict__ indices,
                                                const float* __restrict__ psw, I start, I end,
-                                               int64_t rows, int64_t dim, int64_t c) {
+                                               I hi, int64_t dim, int64_t c, bool* clamped) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const float4 zero = acc;
+  bool any = false;
   I p = start;
   for (; p + kUnroll <= end; p += kUnroll) {
     float4 v[kUnroll];
@@ -56,30 +58,34 @@ __device__ __forceinline__ float4 PoolColumns4(const W* __restrict__ table,
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const I id = indices[p + u];
-      const float pw = psw ? psw[p + u] : 1.f;
-      if constexpr (kChecked) {
-        const bool ok = RowInRange(id, rows);
-        const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
-        v[u] = ok ? x : zero;
-        w[u] = ok ? pw : 0.f;
-      } else {
-        v[u] = Load4(table + static_cast<int64_t>(id) * dim + c);
-        w[u] = pw;
-      }
+      const I row = ClampId(id, hi);
+      any |= row != id;
+      v[u] = Load4(table + static_cast<int64_t>(row) * dim + c);
+      w[u] = psw ? psw[p + u] : 1.f;
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) Fma4(acc, w[u], v[u]);
   }
   for (; p < end; ++p) {
     const I id = indices[p];
-    const float pw = psw ? psw[p] : 1.f;
-    if constexpr (kChecked) {
-      const bool ok = RowInRange(id, rows);
-      const float4 x = Load4(table + (ok ? static_cast<int64_t>(id) : 0) * dim + c);
-      Fma4(acc, ok ? pw : 0.f, ok ? x : zero);
-    } else {
-      Fma4(acc, pw, Load4(table + static_cast<int64_t>(id) * dim + c));
-    }
+    const I row = ClampId(id, hi);
+    any |= row != id;
+    Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(row) * dim + c));
+  }
+  *clamped = any;
+  return acc;
+}
+
+// The same sum over the ids inside [0, rows) only: the rare bag with a bad id (NONE
+// drops it). One id at a time, so that it adds no registers to the common path.
+template <typename W, typename I>
+__device__ __forceinline__ float4 PoolValidIds4(const W* __restrict__ table, const I* __restrict__ indices,
+                                             const float* __restrict__ psw, I start, I end,
+                                             int64_t rows, int64_t dim, int64_t c) {
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  for (I p = start; p < end; ++p) {
+    const I id = indices[p];
+    if (RowInRange(id, rows)) Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(id) * dim + c));
   }
   return acc;
 }
@@ -99,14 +105,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
   if (b >= args.batch_size) return;
 
   const int64_t bag = f * args.batch_size + b;
-  int64_t start, end;
-  ClampBag(offsets[bag], offsets[bag + 1], args.num_indices, &start, &end);
+  // Positions fit I (N < 2^31 is validated for int32 ids).
+  I start, end;
+  ClampBag<I>(offsets[bag], offsets[bag + 1], static_cast<I>(args.num_indices), &start, &end);
   const int64_t dim = __ldg(args.dims + f);
   const int64_t rows = __ldg(args.rows + f);
-  // Positions fit I (N < 2^31 is validated); a table without rows has no row 0 to read
-  // in place of a bad id, so its bags read nothing.
-  const I first = static_cast<I>(start);
-  const I last = static_cast<I>(rows > 0 ? end : start);
+  // A table without rows has no row to clamp a bad id to: its bags read nothing.
+  const I first = start;
+  const I last = rows > 0 ? end : start;
   const W* table = weights + __ldg(args.table_offsets + f);
   const bool vector_rows = dim % 4 == 0 && __ldg(args.table_offsets + f) % 4 == 0;
   const float* psw = args.per_sample_weights;
@@ -132,17 +138,14 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
     O* out_row = out + b * args.total_dim + __ldg(args.output_offsets + f);
     const bool vector_out = args.total_dim % 4 == 0 && __ldg(args.output_offsets + f) % 4 == 0;
     const float scale = args.mean && end > start ? 1.f / static_cast<float>(end - start) : 1.f;
-    // Almost every bag holds valid ids only: one pass over its ids (independent loads,
-    // which the pooling then reads again from cache) lets it pool without per-id checks.
-    bool all_valid = true;
-#pragma unroll 4
-    for (I p = first; p < last; ++p) all_valid &= RowInRange(indices[p], rows);
+    const I hi = LastRow<I>(rows);
     for (int64_t c = 4 * group_lane; c < dim; c += chunk) {
       const int count = ColumnsLeft(dim, c);
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
       if (vector_rows) {
-        acc = all_valid ? PoolColumns4<false>(table, indices, psw, first, last, rows, dim, c)
-                        : PoolColumns4<true>(table, indices, psw, first, last, rows, dim, c);
+        bool clamped;
+        acc = PoolColumns4(table, indices, psw, first, last, hi, dim, c, &clamped);
+        if (clamped) acc = PoolValidIds4(table, indices, psw, first, last, rows, dim, c);
       } else {
         for (I p = first; p < last; ++p) {
           const I id = indices[p];

@@ -126,4 +126,18 @@ struct WarpSchedule {
 
 constexpr int kWarpSize = 32;
 
+// The last row of a table of `rows` >= 1 rows as an id of type I (the largest I when the
+// table has more rows than I can name).
+template <typename I>
+__device__ __forceinline__ I LastRow(int64_t rows) {
+  constexpr int64_t kMax = sizeof(I) == 4 ? int64_t{INT32_MAX} : INT64_MAX;
+  return static_cast<I>(rows - 1 > kMax ? kMax : rows - 1);
+}
+
+// `id` clamped into [0, hi]: a row of the table whatever the id.
+template <typename I>
+__device__ __forceinline__ I ClampId(I id, I hi) {
+  return id < I{0} ? I{0} : (id > hi ? hi : id);
+}
+
 }  // namespace jaxrec

@@ -142,7 +142,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kRowsMinBlocks)
   const int warps = blockDim.x / kWarpSize;
   float* ws = smem + (threadIdx.x / kWarpSize) * args.shape.forward_floats;
   int64_t begin, end;
-  ClampBag(offsets[0], offsets[args.num_bags], args.num_positions, &begin, &end);
+  ClampBag<int64_t>(offsets[0], offsets[args.num_bags], args.num_positions, &begin, &end);
   for (int64_t p = begin + int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; p < end;
        p += int64_t{gridDim.x} * warps) {
     if (args.per_sample_weights != nullptr && args.per_sample_weights[p] == 0.f) continue;
@@ -164,7 +164,7 @@ __global__ void __launch_bounds__(kPoolWarpsPerBlock * kWarpSize)
   if (bag >= num_bags) return;
   const int lane = threadIdx.x % kWarpSize;
   int64_t start, end;
-  ClampBag(offsets[bag], offsets[bag + 1], num_positions, &start, &end);
+  ClampBag<int64_t>(offsets[bag], offsets[bag + 1], num_positions, &start, &end);
   const float scale = mean && end > start ? 1.f / static_cast<float>(end - start) : 1.f;
   constexpr int kUnroll = 4;
   for (int c = 4 * lane; c < dim; c += 4 * kWarpSize) {
@@ -200,7 +200,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
   float* grad = ws + s.grad;
   float* x = ws + s.scratch;
   int64_t begin, end;
-  ClampBag(offsets[0], offsets[args.num_bags], args.num_positions, &begin, &end);
+  ClampBag<int64_t>(offsets[0], offsets[args.num_bags], args.num_positions, &begin, &end);
   for (int64_t p = begin + int64_t{blockIdx.x} * warps + threadIdx.x / kWarpSize; p < end;
        p += int64_t{gridDim.x} * warps) {
     if (!RowInRange(indices[p], args.num_embeddings)) continue;  // dropped: all its gradients 0
