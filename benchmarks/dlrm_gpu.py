@@ -34,7 +34,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
@@ -169,7 +168,8 @@ def time_variant(variant, keys, sizes, batches, iters):
     del model, optimizer, step
     gc.collect()
     return {"variant": variant, "step_ms": step_s * 1e3, "samples_per_s": batches[0].batch_size / step_s,
-            "compile_s": compile_s, "final_loss": float(loss), "model_state_gb": model_bytes / 1e9, "optax_state_gb": optax_bytes / 1e9,
+            "compile_s": compile_s, "final_loss": float(loss), "model_state_gb": model_bytes / 1e9,
+            "optax_state_gb": optax_bytes / 1e9,
             "repeats_ms": [t * 1e3 for t in times]}
 
 
@@ -188,8 +188,8 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     batches = [jax.device_put(b) for b in log.batches(batch_size, 4)]
     data_s = time.perf_counter() - start
-    variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED, "fused_exact_adagrad", "dcn_fused_rowwise_adagrad",
-                "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
+    variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED, "fused_exact_adagrad",
+                "dcn_fused_rowwise_adagrad", "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
     if args.only:
         variants = args.only.split(",")
     device = jax.devices()[0]

@@ -2,8 +2,8 @@
 
     python benchmarks/fused_cpu.py [--configs default,d64_b2048,b2048] [--iters 20] [--out FILE.json]
 
-Run it in the benchmark environment (torch 2.13 CPU + fbgemm-gpu-cpu 1.8.0 + jax + jaxrec,
-see DESIGN.md). One process; fp32 tables of E rows x D, T features (one table each), B
+Run it where torch 2.13 CPU, fbgemm-gpu-cpu 1.8.0, jax and jaxrec are installed
+(docs/fused.md). One process; fp32 tables of E rows x D, T features (one table each), B
 samples, bags of L uniform random ids (duplicates included), 4 id sets rotated; the peers
 run round-robin, one iteration each in turn (tbe_cpu.interleaved_medians), median of --iters.
 
@@ -41,10 +41,10 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tbe_cpu import NUM_ID_SETS, interleaved_medians, machine_info
 
 from jaxrec.ops import TableLayout, embedding_bag_lookup
 from jaxrec.optim import Adagrad, RowWiseAdagrad, fused_update, init_state, split_optimizer_states
-from tbe_cpu import NUM_ID_SETS, interleaved_medians, machine_info
 
 LR, EPS = 0.01, 1e-8
 OPTIMIZERS = {"rowwise_adagrad": (RowWiseAdagrad(learning_rate=LR, eps=EPS), "EXACT_ROWWISE_ADAGRAD"),
@@ -116,7 +116,10 @@ def fbgemm_steps(cfg, weights_np, id_sets, grad):
     import torch
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
+        ComputeDevice,
+        OptimType,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
     T, E, D, B, L = (cfg[k] for k in "TEDBL")
     offsets = torch.arange(T * B + 1, dtype=torch.int64) * L

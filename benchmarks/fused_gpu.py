@@ -23,7 +23,7 @@ bags of L uniform random ids, duplicates included):
 
 Timing as benchmarks/tbe_gpu.py: median of 5 repeats of `iters` back-to-back calls after
 warm-up, requests rotating among 4 pre-generated id sets (donated buffers are threaded
-from call to call). jaxrec runs without bounds check. Bytes (DESIGN.md): forward =
+from call to call). jaxrec runs without bounds check. Bytes (as FBGEMM counts them): forward =
 4*B*sum(D) + 4*B*sum(D)*L; fused backward = grad_output read (4*B*sum(D)) + unique rows
 read and written (2*U*D*4) + optimizer state read and written (2*U*4 for rowwise Adagrad,
 2*2*U*D*4 for Adam), U = unique (table, row) pairs of the id set (numpy).
@@ -52,13 +52,21 @@ import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
+from tbe_gpu import SETS, _nvidia_driver, timed  # noqa: E402
 
 import jaxrec  # noqa: E402
 from jaxrec.ops import TableLayout, embedding_bag_lookup  # noqa: E402
 from jaxrec.ops.tbe_reference import bag_of_position, row_keys  # noqa: E402
-from jaxrec.optim import (SGD, Adam, FusedEmbeddingTables, RowWiseAdagrad, fused_lookup,  # noqa: E402
-                          fused_update, init_state, make_train_step)
-from tbe_gpu import SETS, _nvidia_driver, timed  # noqa: E402
+from jaxrec.optim import (  # noqa: E402
+    SGD,
+    Adam,
+    FusedEmbeddingTables,
+    RowWiseAdagrad,
+    fused_lookup,
+    fused_update,
+    init_state,
+    make_train_step,
+)
 
 try:
     import torch

@@ -9,9 +9,8 @@ command line. Without --out the JSON goes to benchmarks/results/tbe_cpu_<date>.j
 import sys
 from pathlib import Path
 
-from jaxrec.benchmark import tbe_cpu_script
 # benchmarks/fused_cpu.py imports these from here.
-from jaxrec.benchmark import NUM_ID_SETS, interleaved_medians, machine_info  # noqa: F401
+from jaxrec.benchmark import NUM_ID_SETS, interleaved_medians, machine_info, tbe_cpu_script  # noqa: F401
 
 if __name__ == "__main__":
     sys.exit(tbe_cpu_script(results_dir=Path(__file__).parent / "results"))

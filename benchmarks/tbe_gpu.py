@@ -10,9 +10,11 @@ import sys
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # PyTorch shares the GPU
 
-from jaxrec.benchmark import tbe_gpu_script  # noqa: E402
 # benchmarks/fused_gpu.py imports these from here.
-from jaxrec.benchmark import NUM_ID_SETS as SETS, nvidia_driver as _nvidia_driver, timed  # noqa: E402, F401
+from jaxrec.benchmark import NUM_ID_SETS as SETS  # noqa: E402, F401
+from jaxrec.benchmark import (
+    tbe_gpu_script,  # noqa: E402
+    )
 
 if __name__ == "__main__":
     sys.exit(tbe_gpu_script())

@@ -34,8 +34,7 @@ from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._measure import timed
 from jaxrec.benchmark._report import write_json
 from jaxrec.ops import TableLayout, TTLayout, init_tt_cores, init_weights
-from jaxrec.optim import SGD, FusedEmbeddingTables, TTEmbeddingTables, fused_lookup
-from jaxrec.optim import make_train_step, tt_fused_lookup
+from jaxrec.optim import SGD, FusedEmbeddingTables, TTEmbeddingTables, fused_lookup, make_train_step, tt_fused_lookup
 
 P, Q, RANKS = (200, 220, 250), (4, 4, 4), (32, 32)
 
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
             TTEmbeddingTables.create(layout, sgd, cores=c), i, o, bounds_check_mode="none",
             backend=b))
         fwd_cores = copy(cores)
-        fwd_seconds = timed(lambda i, o: forward(fwd_cores, i, o), sets, args.iters,
+        fwd_seconds = timed(lambda i, o: forward(fwd_cores, i, o), sets, args.iters,  # noqa: B023 (called here)
                             jax.block_until_ready)
         runs[name] = dict(step_us=seconds * 1e6, us_per_nnz=seconds * 1e6 / nnz,
                           forward_us_per_nnz=fwd_seconds * 1e6 / nnz,

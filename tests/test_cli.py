@@ -23,3 +23,20 @@ def test_sub_command_arguments_reach_the_sub_command(capsys, tmp_path):
         main(["info", "--steps", "3"])
     with pytest.raises(SystemExit):
         main(["fly"])
+
+
+@pytest.mark.parametrize("command, option", [("train", "--table-lr"), ("bench", "--quick")])
+def test_sub_command_help_shows_its_own_options(capsys, command, option):
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert f"usage: jaxrec {command}" in out and option in out
+
+
+def test_top_level_help_lists_the_commands(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["--help"])
+    assert exit_.value.code == 0
+    out = capsys.readouterr().out
+    assert all(f"jaxrec {c}" in out for c in ("train", "bench", "demo", "info"))

@@ -251,7 +251,8 @@ def test_kjt_front_door(platform):
     (dict(offsets=np.arange(4, dtype=np.int32)), ValueError, "not T * B + 1 for the layout's T = 2"),
     (dict(pooling=7), ValueError, "pooling must be PoolingMode.SUM (0), MEAN (1) or NONE (2), or their names"),
     (dict(weights=jnp.zeros(3)), ValueError, "weights must be the flat buffer of 32 elements"),
-    (dict(per_sample_weights=np.ones(2, np.float32)), ValueError, "per_sample_weights must be a floating point array of shape [4]"),
+    (dict(per_sample_weights=np.ones(2, np.float32)), ValueError,
+     "per_sample_weights must be a floating point array of shape [4]"),
     (dict(output_dtype=jnp.int32), TypeError, "output_dtype must be float32, float16 or bfloat16"),
 ])
 def test_bad_arguments_get_clear_errors(kwargs, error, message):

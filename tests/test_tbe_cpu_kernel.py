@@ -225,7 +225,7 @@ def test_output_rounding_is_nearest_even(out_dtype):
     case.weights = values[:case.weights.size].astype(np.float32)
     got = forward(case, out_dtype)
     want = np.zeros(case.out_shape(), out_dtype)
-    for f, b, pos in case.bags():
+    for f, _, pos in case.bags():
         for p in pos:
             with np.errstate(over="ignore"):  # fp32 -> fp16 overflow to inf is expected
                 want[p] = case.row(case.weights, f, case.indices[p]).astype(out_dtype)
@@ -242,7 +242,7 @@ def test_input_conversion_is_exact(weight_dtype):
     case.indices[case.offsets[0]:case.offsets[-1]] = rng.permutation(1 << 12)[:case.offsets[-1] - case.offsets[0]]
     got = forward(case, np.float32)
     want = np.zeros(case.out_shape(), np.float32)
-    for f, b, pos in case.bags():
+    for f, _, pos in case.bags():
         for p in pos:
             want[p] = case.row(case.weights, f, case.indices[p]).astype(np.float32)
     np.testing.assert_array_equal(got, want)

@@ -17,7 +17,7 @@ __global__ void SanitizerControlOutOfBounds(int* buffer, int size) {
 
 __global__ void SanitizerControlRace(int* out) {
   __shared__ int shared[32];
-  shared[threadIdx.x % 32] = threadIdx.x;  // threads t and t + 32 write one slot
+  shared[threadIdx.x % 32] = threadIdx.x;             // threads t and t + 32 write one slot
   out[threadIdx.x] = shared[(threadIdx.x + 1) % 32];  // read with no barrier
 }
 

@@ -1,7 +1,7 @@
+#include "common/bounds_check.h"
+
 #include <string>
 #include <string_view>
-
-#include "common/bounds_check.h"
 
 namespace jaxrec {
 namespace {
@@ -31,8 +31,10 @@ std::string Where(std::string_view labels, int64_t batch_size, int64_t bag) {
 ffi::Error ValidateBoundsCheck(int32_t mode, const ffi::AnyBuffer& rows_per_table,
                                const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets) {
   if (mode < 0 || mode > 2) {
-    return ffi::Error::InvalidArgument("bounds_check_indices: mode must be 0 (FATAL), 1 (WARNING) "
-                                       "or 2 (IGNORE), got " + std::to_string(mode));
+    return ffi::Error::InvalidArgument(
+        "bounds_check_indices: mode must be 0 (FATAL), 1 (WARNING) "
+        "or 2 (IGNORE), got " +
+        std::to_string(mode));
   }
   if (indices.element_type() != offsets.element_type() ||
       indices.element_type() != rows_per_table.element_type()) {
@@ -52,19 +54,18 @@ ffi::Error ValidateBoundsCheck(int32_t mode, const ffi::AnyBuffer& rows_per_tabl
   return ffi::Error::Success();
 }
 
-std::string BadOffsetsMessage(std::string_view labels, int64_t batch_size, int64_t bag,
-                              int64_t start, int64_t end, int64_t num_indices) {
-  return Where(labels, batch_size, bag) + "offsets[" + std::to_string(bag) + "]=" +
-         std::to_string(start) + ", offsets[" + std::to_string(bag + 1) + "]=" +
-         std::to_string(end) + " is not a range inside indices of size " +
-         std::to_string(num_indices) +
+std::string BadOffsetsMessage(std::string_view labels, int64_t batch_size, int64_t bag, int64_t start,
+                              int64_t end, int64_t num_indices) {
+  return Where(labels, batch_size, bag) + "offsets[" + std::to_string(bag) + "]=" + std::to_string(start) +
+         ", offsets[" + std::to_string(bag + 1) + "]=" + std::to_string(end) +
+         " is not a range inside indices of size " + std::to_string(num_indices) +
          ". Fix the offsets, or pass bounds_check_mode=WARNING or IGNORE to clamp them.";
 }
 
-std::string BadIndexMessage(std::string_view labels, int64_t batch_size, int64_t bag,
-                            int64_t position, int64_t index, int64_t num_rows) {
-  return Where(labels, batch_size, bag) + "indices[" + std::to_string(position) + "]=" +
-         std::to_string(index) + " is out of range for a table of " + std::to_string(num_rows) +
+std::string BadIndexMessage(std::string_view labels, int64_t batch_size, int64_t bag, int64_t position,
+                            int64_t index, int64_t num_rows) {
+  return Where(labels, batch_size, bag) + "indices[" + std::to_string(position) +
+         "]=" + std::to_string(index) + " is out of range for a table of " + std::to_string(num_rows) +
          " rows. Fix the ids, or pass bounds_check_mode=WARNING or IGNORE to map bad ids to row 0.";
 }
 

@@ -48,9 +48,9 @@ ffi::Error ValidateBoundsCheck(int32_t mode, const ffi::AnyBuffer& rows_per_tabl
 
 // FATAL-mode messages. `labels` holds one line per feature ("feature 'f' of
 // table 't'"), written by the Python wrapper; a missing line reads "feature t".
-std::string BadOffsetsMessage(std::string_view labels, int64_t batch_size, int64_t bag,
-                              int64_t start, int64_t end, int64_t num_indices);
-std::string BadIndexMessage(std::string_view labels, int64_t batch_size, int64_t bag,
-                            int64_t position, int64_t index, int64_t num_rows);
+std::string BadOffsetsMessage(std::string_view labels, int64_t batch_size, int64_t bag, int64_t start,
+                              int64_t end, int64_t num_indices);
+std::string BadIndexMessage(std::string_view labels, int64_t batch_size, int64_t bag, int64_t position,
+                            int64_t index, int64_t num_rows);
 
 }  // namespace jaxrec

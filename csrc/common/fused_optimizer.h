@@ -101,8 +101,7 @@ JAXREC_HOST_DEVICE void UpdateRow(Row& row, const RowUpdateArgs& a, float& s1_ro
       gg += row.g[i] * row.g[i];
     }
     const float w_norm = sqrtf(row.Reduce(ww)), g_norm = sqrtf(row.Reduce(gg));
-    const float lr_local =
-        SafeDiv(h.learning_rate * h.eta * w_norm, g_norm + h.weight_decay * w_norm);
+    const float lr_local = SafeDiv(h.learning_rate * h.eta * w_norm, g_norm + h.weight_decay * w_norm);
     for (int i = 0; i < n; ++i) {
       row.s1[i] = h.momentum * row.s1[i] + lr_local * (row.g[i] + h.weight_decay * row.w[i]);
       row.w[i] -= row.s1[i];

@@ -14,9 +14,9 @@ namespace jaxrec {
 namespace {
 
 template <typename T>
-ffi::Error BoundsCheck(const T* rows_per_table, int64_t num_features, T* indices,
-                       int64_t num_indices, const T* offsets_in, T* offsets, int64_t num_bags,
-                       BoundsCheckMode mode, std::string_view labels, int32_t* report) {
+ffi::Error BoundsCheck(const T* rows_per_table, int64_t num_features, T* indices, int64_t num_indices,
+                       const T* offsets_in, T* offsets, int64_t num_bags, BoundsCheckMode mode,
+                       std::string_view labels, int32_t* report) {
   const int64_t batch_size = num_features > 0 ? num_bags / num_features : 0;
   const T n = static_cast<T>(num_indices);
   int64_t corrections = 0;
@@ -29,8 +29,7 @@ ffi::Error BoundsCheck(const T* rows_per_table, int64_t num_features, T* indices
     const T end = offsets_in[k + 1];
     if (IsBadBag(start, end, n)) {
       if (mode == BoundsCheckMode::kFatal) {
-        return ffi::Error::InvalidArgument(
-            BadOffsetsMessage(labels, batch_size, k, start, end, num_indices));
+        return ffi::Error::InvalidArgument(BadOffsetsMessage(labels, batch_size, k, start, end, num_indices));
       }
       ++corrections;
     }
@@ -45,8 +44,7 @@ ffi::Error BoundsCheck(const T* rows_per_table, int64_t num_features, T* indices
     for (T p = offsets[k]; p < offsets[k + 1]; ++p) {
       if (!IsBadIndex(indices[p], num_rows)) continue;
       if (mode == BoundsCheckMode::kFatal) {
-        return ffi::Error::InvalidArgument(
-            BadIndexMessage(labels, batch_size, k, p, indices[p], num_rows));
+        return ffi::Error::InvalidArgument(BadIndexMessage(labels, batch_size, k, p, indices[p], num_rows));
       }
       indices[p] = 0;
       ++corrections;
@@ -63,8 +61,7 @@ ffi::Error BoundsCheckIndicesCpu(ffi::AnyBuffer rows_per_table, ffi::AnyBuffer i
                                  ffi::Result<ffi::AnyBuffer> offsets,
                                  ffi::Result<ffi::Buffer<ffi::S32>> report, int32_t mode,
                                  std::string_view labels) {
-  if (ffi::Error error = ValidateBoundsCheck(mode, rows_per_table, indices_in, offsets_in);
-      error.failure()) {
+  if (ffi::Error error = ValidateBoundsCheck(mode, rows_per_table, indices_in, offsets_in); error.failure()) {
     return error;
   }
   const int64_t num_indices = indices_in.element_count();
@@ -75,10 +72,9 @@ ffi::Error BoundsCheckIndicesCpu(ffi::AnyBuffer rows_per_table, ffi::AnyBuffer i
     if (indices->untyped_data() != indices_in.untyped_data()) {
       std::memcpy(indices->untyped_data(), indices_in.untyped_data(), num_indices * sizeof(T));
     }
-    return BoundsCheck<T>(rows_per_table.typed_data<T>(), num_features, indices->typed_data<T>(),
-                          num_indices, offsets_in.typed_data<T>(), offsets->typed_data<T>(),
-                          num_bags, static_cast<BoundsCheckMode>(mode), labels,
-                          report->typed_data());
+    return BoundsCheck<T>(rows_per_table.typed_data<T>(), num_features, indices->typed_data<T>(), num_indices,
+                          offsets_in.typed_data<T>(), offsets->typed_data<T>(), num_bags,
+                          static_cast<BoundsCheckMode>(mode), labels, report->typed_data());
   });
 }
 
@@ -87,11 +83,11 @@ ffi::Error BoundsCheckIndicesCpu(ffi::AnyBuffer rows_per_table, ffi::AnyBuffer i
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBoundsCheckIndicesCpu, jaxrec::BoundsCheckIndicesCpu,
                               xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // rows_per_table
-                                  .Arg<xla::ffi::AnyBuffer>()  // indices
-                                  .Arg<xla::ffi::AnyBuffer>()  // offsets
-                                  .Ret<xla::ffi::AnyBuffer>()  // indices (aliased)
-                                  .Ret<xla::ffi::AnyBuffer>()  // offsets
+                                  .Arg<xla::ffi::AnyBuffer>()              // rows_per_table
+                                  .Arg<xla::ffi::AnyBuffer>()              // indices
+                                  .Arg<xla::ffi::AnyBuffer>()              // offsets
+                                  .Ret<xla::ffi::AnyBuffer>()              // indices (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()              // offsets
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // report
                                   .Attr<int32_t>("mode")
                                   .Attr<std::string_view>("labels"));

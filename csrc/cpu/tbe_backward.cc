@@ -218,15 +218,14 @@ void Backward(ffi::ThreadPool& pool, const BackwardArgs<I>& a, int64_t num_weigh
 }
 
 ffi::Error TbeBackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
-                          ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
-                          ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
-                          ffi::Result<ffi::AnyBuffer> grad_weights,
+                          ffi::AnyBuffer indices, ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights,
+                          ffi::AnyBuffer layout, ffi::Result<ffi::AnyBuffer> grad_weights,
                           ffi::Result<ffi::AnyBuffer> grad_per_sample_weights, int32_t pooling) {
   return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
     using I = decltype(index_zero);
     TbeProblem problem;
-    if (ffi::Error error = ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout,
-                                          pooling, &problem);
+    if (ffi::Error error =
+            ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout, pooling, &problem);
         error.failure()) {
       return error;
     }
@@ -244,18 +243,17 @@ ffi::Error TbeBackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi:
       return Invalid("grad_per_sample_weights must be float32 like per_sample_weights (" +
                      std::to_string(per_sample_weights.element_count()) + " elements)");
     }
-    const BackwardArgs<I> args{
-        grad_output.untyped_data(),
-        weights.untyped_data(),
-        indices.typed_data<I>(),
-        offsets.typed_data<I>(),
-        problem.weighted ? per_sample_weights.typed_data<float>() : nullptr,
-        problem.layout,
-        problem.batch_size,
-        problem.total_dim,
-        problem.pooling,
-        grad_weights->typed_data<float>(),
-        problem.weighted ? grad_per_sample_weights->typed_data<float>() : nullptr};
+    const BackwardArgs<I> args{grad_output.untyped_data(),
+                               weights.untyped_data(),
+                               indices.typed_data<I>(),
+                               offsets.typed_data<I>(),
+                               problem.weighted ? per_sample_weights.typed_data<float>() : nullptr,
+                               problem.layout,
+                               problem.batch_size,
+                               problem.total_dim,
+                               problem.pooling,
+                               grad_weights->typed_data<float>(),
+                               problem.weighted ? grad_per_sample_weights->typed_data<float>() : nullptr};
     return DispatchFloatType(grad_output.element_type(), "grad_output", [&](auto grad_zero) {
       using G = decltype(grad_zero);
       return DispatchFloatType(weights.element_type(), "weights", [&](auto weight_zero) {

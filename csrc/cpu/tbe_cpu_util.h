@@ -59,7 +59,9 @@ JAXREC_ALWAYS_INLINE float ToFloat(Half x) {
 template <typename T>
 T FromFloat(float x);
 template <>
-JAXREC_ALWAYS_INLINE float FromFloat<float>(float x) { return x; }
+JAXREC_ALWAYS_INLINE float FromFloat<float>(float x) {
+  return x;
+}
 template <>
 JAXREC_ALWAYS_INLINE BFloat16 FromFloat<BFloat16>(float x) {
   uint32_t bits = BitCast<uint32_t>(x);
@@ -111,8 +113,7 @@ enum class Isa { kBaseline, kAvx2, kAvx512 };
 #if defined(__x86_64__) && defined(__GNUC__)
 #define JAXREC_HAS_ISA_CLONES 1
 #define JAXREC_TARGET_AVX2 __attribute__((target("avx2,fma,f16c,bmi2")))
-#define JAXREC_TARGET_AVX512 \
-  __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2")))
+#define JAXREC_TARGET_AVX512 __attribute__((target("avx512f,avx512vl,avx512bw,avx512dq,avx2,fma,f16c,bmi2")))
 inline Isa DetectIsa() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
@@ -184,9 +185,9 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t num_items, const Fn& fn) {
 struct TbeProblem {
   TbeLayout layout;
   PoolingMode pooling;
-  int64_t batch_size;  // B
+  int64_t batch_size;   // B
   int64_t num_indices;  // N
-  int64_t total_dim;  // output_offsets[T]
+  int64_t total_dim;    // output_offsets[T]
   int64_t max_dim;
   bool weighted;
   std::vector<int64_t> out_dims;  // shape of the forward output
@@ -241,8 +242,8 @@ ffi::Error ValidateTbe(ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyB
   const int64_t n = indices.element_count();
   const int64_t num_offsets = offsets.element_count();
   if (num_offsets < 1 || (num_offsets - 1) % t != 0) {
-    return Invalid("offsets has " + std::to_string(num_offsets) + " entries; expected T * B + 1 with T = " +
-                   std::to_string(t) + " features");
+    return Invalid("offsets has " + std::to_string(num_offsets) +
+                   " entries; expected T * B + 1 with T = " + std::to_string(t) + " features");
   }
   problem->batch_size = (num_offsets - 1) / t;
   problem->num_indices = n;
@@ -313,8 +314,8 @@ ffi::Error ValidateTbe(ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyB
   }
   for (int64_t k = 0; k + 1 < num_offsets; ++k) {
     if (o[k + 1] < o[k]) {
-      return Invalid("offsets must be non-decreasing; offsets[" + std::to_string(k + 1) +
-                     "] < offsets[" + std::to_string(k) + "]; run bounds_check_indices first");
+      return Invalid("offsets must be non-decreasing; offsets[" + std::to_string(k + 1) + "] < offsets[" +
+                     std::to_string(k) + "]; run bounds_check_indices first");
     }
   }
   return ffi::Error::Success();

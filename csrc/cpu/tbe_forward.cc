@@ -64,7 +64,8 @@ JAXREC_ALWAYS_INLINE void PooledBags(const ForwardArgs<I>& a, int64_t bag_begin,
     // Prefetch within this feature's ids (the next bags of the same table too).
     const int64_t prefetch_end = a.offsets[(f + 1) * B];
     const auto prefetch = [&](int64_t p) {
-      if (RowInRange(indices[p], rows)) PrefetchBytes(table + static_cast<int64_t>(indices[p]) * dim, row_bytes);
+      if (RowInRange(indices[p], rows))
+        PrefetchBytes(table + static_cast<int64_t>(indices[p]) * dim, row_bytes);
     };
     if (k == bag_begin || b == 0) {
       for (int64_t p = start; p < std::min(start + kPrefetchDistance, prefetch_end); ++p) prefetch(p);
@@ -184,28 +185,25 @@ void Forward(ffi::ThreadPool& pool, const ForwardArgs<I>& a, int64_t num_indices
 }
 
 ffi::Error TbeForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer weights, ffi::AnyBuffer indices,
-                         ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights,
-                         ffi::AnyBuffer layout, ffi::Result<ffi::AnyBuffer> output, int32_t pooling) {
+                         ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
+                         ffi::Result<ffi::AnyBuffer> output, int32_t pooling) {
   return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
     using I = decltype(index_zero);
     TbeProblem problem;
-    if (ffi::Error error = ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout,
-                                          pooling, &problem);
+    if (ffi::Error error =
+            ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout, pooling, &problem);
         error.failure()) {
       return error;
     }
     if (ffi::Error error = CheckShape("output", output->dimensions(), problem.out_dims); error.failure()) {
       return error;
     }
-    const ForwardArgs<I> args{weights.untyped_data(),
-                              indices.typed_data<I>(),
-                              offsets.typed_data<I>(),
-                              problem.weighted ? per_sample_weights.typed_data<float>() : nullptr,
-                              problem.layout,
-                              problem.batch_size,
-                              problem.total_dim,
-                              problem.pooling,
-                              output->untyped_data()};
+    const ForwardArgs<I> args{
+        weights.untyped_data(),  indices.typed_data<I>(),
+        offsets.typed_data<I>(), problem.weighted ? per_sample_weights.typed_data<float>() : nullptr,
+        problem.layout,          problem.batch_size,
+        problem.total_dim,       problem.pooling,
+        output->untyped_data()};
     return DispatchFloatType(weights.element_type(), "weights", [&](auto weight_zero) {
       using W = decltype(weight_zero);
       return DispatchFloatType(output->element_type(), "output", [&](auto out_zero) {

@@ -52,7 +52,7 @@ namespace {
 
 constexpr int64_t kMinItem = 1024;  // sorted entries per work item
 constexpr int64_t kMaxItem = 4096;
-constexpr int64_t kPrefetchDistance = 8;      // sorted entries ahead
+constexpr int64_t kPrefetchDistance = 8;          // sorted entries ahead
 constexpr int64_t kCopyChunk = int64_t{1} << 22;  // bytes copied per item (non-aliased results)
 
 // The row a CPU thread owns, for UpdateRow: the whole row, so a row sum is the sum.
@@ -293,18 +293,27 @@ template <typename Fn>
 ffi::Error DispatchOptimizer(int32_t optimizer, Fn&& fn) {
   using K = OptimizerKind;
   switch (static_cast<K>(optimizer)) {
-    case K::kSgd: return fn(std::integral_constant<K, K::kSgd>{});
-    case K::kAdagrad: return fn(std::integral_constant<K, K::kAdagrad>{});
-    case K::kRowWiseAdagrad: return fn(std::integral_constant<K, K::kRowWiseAdagrad>{});
-    case K::kAdam: return fn(std::integral_constant<K, K::kAdam>{});
-    case K::kPartialRowWiseAdam: return fn(std::integral_constant<K, K::kPartialRowWiseAdam>{});
-    case K::kLamb: return fn(std::integral_constant<K, K::kLamb>{});
-    case K::kPartialRowWiseLamb: return fn(std::integral_constant<K, K::kPartialRowWiseLamb>{});
-    case K::kLarsSgd: return fn(std::integral_constant<K, K::kLarsSgd>{});
+    case K::kSgd:
+      return fn(std::integral_constant<K, K::kSgd>{});
+    case K::kAdagrad:
+      return fn(std::integral_constant<K, K::kAdagrad>{});
+    case K::kRowWiseAdagrad:
+      return fn(std::integral_constant<K, K::kRowWiseAdagrad>{});
+    case K::kAdam:
+      return fn(std::integral_constant<K, K::kAdam>{});
+    case K::kPartialRowWiseAdam:
+      return fn(std::integral_constant<K, K::kPartialRowWiseAdam>{});
+    case K::kLamb:
+      return fn(std::integral_constant<K, K::kLamb>{});
+    case K::kPartialRowWiseLamb:
+      return fn(std::integral_constant<K, K::kPartialRowWiseLamb>{});
+    case K::kLarsSgd:
+      return fn(std::integral_constant<K, K::kLarsSgd>{});
   }
-  return ffi::Error::InvalidArgument("jaxrec_tbe_fused_update: optimizer must be in [0, 7] "
-                                     "(jaxrec.optim's configs in FBGEMM's order), got " +
-                                     std::to_string(optimizer));
+  return ffi::Error::InvalidArgument(
+      "jaxrec_tbe_fused_update: optimizer must be in [0, 7] "
+      "(jaxrec.optim's configs in FBGEMM's order), got " +
+      std::to_string(optimizer));
 }
 
 ffi::Error Fail(std::string message) {
@@ -360,17 +369,16 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
                              ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
                              ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
                              ffi::AnyBuffer hparams, ffi::AnyBuffer step,
-                             ffi::Result<ffi::AnyBuffer> weights_out,
-                             ffi::Result<ffi::AnyBuffer> state1_out,
+                             ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
                              ffi::Result<ffi::AnyBuffer> state2_out,
                              ffi::Result<ffi::AnyBuffer> grad_per_sample_weights, int32_t optimizer,
-                             int32_t pooling, int32_t weight_decay_mode,
-                             int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
+                             int32_t pooling, int32_t weight_decay_mode, int32_t stochastic_rounding,
+                             int32_t seed, int32_t max_dim) {
   return DispatchIndexType(indices.element_type(), "jaxrec_tbe_fused_update: indices", [&](auto index_zero) {
     using I = decltype(index_zero);
     TbeProblem problem;
-    if (ffi::Error error = ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout,
-                                          pooling, &problem);
+    if (ffi::Error error =
+            ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout, pooling, &problem);
         error.failure()) {
       return Renamed(std::move(error));
     }
@@ -387,8 +395,10 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
     for (ffi::AnyBuffer sorted : {sorted_keys, sorted_positions, sorted_bags}) {
       if (sorted.element_type() != indices.element_type() ||
           static_cast<int64_t>(sorted.element_count()) != n) {
-        return Fail("sorted_keys, sorted_positions and sorted_bags must have the dtype and size of "
-                    "indices (" + std::to_string(n) + ")");
+        return Fail(
+            "sorted_keys, sorted_positions and sorted_bags must have the dtype and size of "
+            "indices (" +
+            std::to_string(n) + ")");
       }
     }
     if (hparams.element_type() != ffi::DataType::F32 || hparams.element_count() != 9) {
@@ -412,8 +422,7 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
     }
     // Keys are sorted, sentinels last: the largest row key precedes the first sentinel.
     const I* keys = sorted_keys.typed_data<I>();
-    const int64_t num_keys =
-        std::lower_bound(keys, keys + n, std::numeric_limits<I>::max()) - keys;
+    const int64_t num_keys = std::lower_bound(keys, keys + n, std::numeric_limits<I>::max()) - keys;
     if (num_keys > 0 && keys[0] < 0) return Fail("sorted_keys must be >= 0");
     const int64_t max_key = num_keys > 0 ? keys[num_keys - 1] : -1;
 

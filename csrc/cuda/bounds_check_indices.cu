@@ -37,9 +37,8 @@ constexpr int kScanItems = 8;  // consecutive offsets per thread and tile
 
 // offsets[i] = max(clamp(offsets_in[0..i], 0, num_indices)), tile by tile with a carry.
 template <typename T>
-__global__ void __launch_bounds__(kScanThreads) ScanClampedMax(const T* __restrict__ offsets_in,
-                                                               T* __restrict__ offsets, int64_t n,
-                                                               T num_indices) {
+__global__ void __launch_bounds__(kScanThreads)
+    ScanClampedMax(const T* __restrict__ offsets_in, T* __restrict__ offsets, int64_t n, T num_indices) {
   __shared__ T warp_max[kScanThreads / kWarpSize];
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
@@ -86,10 +85,9 @@ __global__ void __launch_bounds__(kScanThreads) ScanClampedMax(const T* __restri
 }
 
 template <typename T>
-__global__ void CheckBags(const T* __restrict__ rows_per_table, T* __restrict__ indices,
-                          T num_indices, const T* __restrict__ offsets_in, T* offsets,
-                          int64_t num_bags, int64_t batch_size, BoundsCheckMode mode,
-                          Report* report) {
+__global__ void CheckBags(const T* __restrict__ rows_per_table, T* __restrict__ indices, T num_indices,
+                          const T* __restrict__ offsets_in, T* offsets, int64_t num_bags, int64_t batch_size,
+                          BoundsCheckMode mode, Report* report) {
   const int64_t k = static_cast<int64_t>(blockIdx.x) * kBagsPerBlock + threadIdx.y;
   const int lane = threadIdx.x;
   if (k >= num_bags) return;
@@ -128,13 +126,12 @@ __global__ void CheckBags(const T* __restrict__ rows_per_table, T* __restrict__ 
 }
 
 ffi::Error CudaError(cudaError_t err, const char* what) {
-  return ffi::Error::Internal(std::string("bounds_check_indices: ") + what + ": " +
-                              cudaGetErrorString(err));
+  return ffi::Error::Internal(std::string("bounds_check_indices: ") + what + ": " + cudaGetErrorString(err));
 }
 
-#define JAXREC_CUDA_RETURN_IF_ERROR(expr, what) \
-  do {                                          \
-    cudaError_t err_ = (expr);                  \
+#define JAXREC_CUDA_RETURN_IF_ERROR(expr, what)            \
+  do {                                                     \
+    cudaError_t err_ = (expr);                             \
     if (err_ != cudaSuccess) return CudaError(err_, what); \
   } while (0)
 
@@ -156,9 +153,9 @@ ffi::Error BoundsCheck(cudaStream_t stream, const T* rows_per_table, int64_t num
   JAXREC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(report, 0xff, sizeof(Report), stream), "memset");
   JAXREC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(report, 0, sizeof(int32_t), stream), "memset");
   if (mode == BoundsCheckMode::kFatal) {
-    JAXREC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(offsets, offsets_in, (num_bags + 1) * sizeof(T),
-                                                cudaMemcpyDeviceToDevice, stream),
-                                "copy offsets");
+    JAXREC_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(offsets, offsets_in, (num_bags + 1) * sizeof(T), cudaMemcpyDeviceToDevice, stream),
+        "copy offsets");
   } else {
     ScanClampedMax<T><<<1, kScanThreads, 0, stream>>>(offsets_in, offsets, num_bags + 1, n);
     JAXREC_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "scan launch");
@@ -172,33 +169,30 @@ ffi::Error BoundsCheck(cudaStream_t stream, const T* rows_per_table, int64_t num
   if (mode != BoundsCheckMode::kFatal) return ffi::Error::Success();
 
   Report host{};
-  JAXREC_CUDA_RETURN_IF_ERROR(
-      cudaMemcpyAsync(&host, report, sizeof(Report), cudaMemcpyDeviceToHost, stream), "report");
+  JAXREC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, report, sizeof(Report), cudaMemcpyDeviceToHost, stream),
+                              "report");
   JAXREC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "synchronize");
   if (host.first_bad_bag != std::numeric_limits<uint32_t>::max()) {
     const int64_t k = host.first_bad_bag;
     return ffi::Error::InvalidArgument(BadOffsetsMessage(labels, batch_size, k,
                                                          ReadOne(offsets_in + k, stream),
-                                                         ReadOne(offsets_in + k + 1, stream),
-                                                         num_indices));
+                                                         ReadOne(offsets_in + k + 1, stream), num_indices));
   }
   if (host.first_bad_index != std::numeric_limits<unsigned long long>::max()) {
     const int64_t p = static_cast<int64_t>(host.first_bad_index >> 32);
     const int64_t k = static_cast<int64_t>(host.first_bad_index & 0xffffffffull);
-    return ffi::Error::InvalidArgument(BadIndexMessage(
-        labels, batch_size, k, p, ReadOne(indices + p, stream),
-        ReadOne(rows_per_table + k / batch_size, stream)));
+    return ffi::Error::InvalidArgument(BadIndexMessage(labels, batch_size, k, p, ReadOne(indices + p, stream),
+                                                       ReadOne(rows_per_table + k / batch_size, stream)));
   }
   return ffi::Error::Success();
 }
 
-ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::AnyBuffer rows_per_table, ffi::AnyBuffer indices_in,
-                                  ffi::AnyBuffer offsets_in, ffi::Result<ffi::AnyBuffer> indices,
-                                  ffi::Result<ffi::AnyBuffer> offsets,
+ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::AnyBuffer rows_per_table,
+                                  ffi::AnyBuffer indices_in, ffi::AnyBuffer offsets_in,
+                                  ffi::Result<ffi::AnyBuffer> indices, ffi::Result<ffi::AnyBuffer> offsets,
                                   ffi::Result<ffi::Buffer<ffi::S32>> report, int32_t mode,
                                   std::string_view labels) {
-  if (ffi::Error error = ValidateBoundsCheck(mode, rows_per_table, indices_in, offsets_in);
-      error.failure()) {
+  if (ffi::Error error = ValidateBoundsCheck(mode, rows_per_table, indices_in, offsets_in); error.failure()) {
     return error;
   }
   const int64_t num_indices = indices_in.element_count();
@@ -207,15 +201,14 @@ ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::AnyBuffer rows_per_t
   return DispatchIndexType(indices_in.element_type(), "indices", [&](auto zero) {
     using T = decltype(zero);
     if (indices->untyped_data() != indices_in.untyped_data()) {
-      JAXREC_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(indices->untyped_data(), indices_in.untyped_data(),
-                          num_indices * sizeof(T), cudaMemcpyDeviceToDevice, stream),
-          "copy indices");
+      JAXREC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(indices->untyped_data(), indices_in.untyped_data(),
+                                                  num_indices * sizeof(T), cudaMemcpyDeviceToDevice, stream),
+                                  "copy indices");
     }
-    return BoundsCheck<T>(stream, rows_per_table.typed_data<T>(), num_features,
-                          indices->typed_data<T>(), num_indices, offsets_in.typed_data<T>(),
-                          offsets->typed_data<T>(), num_bags, static_cast<BoundsCheckMode>(mode),
-                          labels, reinterpret_cast<Report*>(report->typed_data()));
+    return BoundsCheck<T>(stream, rows_per_table.typed_data<T>(), num_features, indices->typed_data<T>(),
+                          num_indices, offsets_in.typed_data<T>(), offsets->typed_data<T>(), num_bags,
+                          static_cast<BoundsCheckMode>(mode), labels,
+                          reinterpret_cast<Report*>(report->typed_data()));
   });
 }
 
@@ -225,11 +218,11 @@ ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::AnyBuffer rows_per_t
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecBoundsCheckIndicesCuda, jaxrec::BoundsCheckIndicesCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // rows_per_table
-                                  .Arg<xla::ffi::AnyBuffer>()  // indices
-                                  .Arg<xla::ffi::AnyBuffer>()  // offsets
-                                  .Ret<xla::ffi::AnyBuffer>()  // indices (aliased)
-                                  .Ret<xla::ffi::AnyBuffer>()  // offsets
+                                  .Arg<xla::ffi::AnyBuffer>()              // rows_per_table
+                                  .Arg<xla::ffi::AnyBuffer>()              // indices
+                                  .Arg<xla::ffi::AnyBuffer>()              // offsets
+                                  .Ret<xla::ffi::AnyBuffer>()              // indices (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()              // offsets
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // report
                                   .Attr<int32_t>("mode")
                                   .Attr<std::string_view>("labels"));

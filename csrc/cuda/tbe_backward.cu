@@ -2,9 +2,9 @@
 // and the gradient of the per-sample weights (see common/tbe.h for the layout).
 //
 // The Python wrapper sorts the (row key, position) pairs with XLA's sort and hands
-// over each sorted position's bag, so all uses of one table row are adjacent. One warp per run of equal keys sums the
-// run's gradient rows in sorted order and writes the row once: no float atomics,
-// the same result every run. Hot rows (long runs) are summed by a single warp.
+// over each sorted position's bag, so all uses of one table row are adjacent. One warp per run of equal keys
+// sums the run's gradient rows in sorted order and writes the row once: no float atomics, the same result
+// every run. Hot rows (long runs) are summed by a single warp.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -20,11 +20,10 @@ namespace jaxrec {
 namespace {
 
 template <typename G, typename I>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
-    RowGradients(const G* __restrict__ grad, const I* __restrict__ indices,
-                 const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
-                 const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags,
-                 float* __restrict__ grad_weights, BackwardArgs args) {
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
+    RowGradients(const G* __restrict__ grad, const I* __restrict__ indices, const I* __restrict__ offsets,
+                 const I* __restrict__ sorted_keys, const I* __restrict__ sorted_positions,
+                 const I* __restrict__ sorted_bags, float* __restrict__ grad_weights, BackwardArgs args) {
   const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const int lane = threadIdx.x % kWarpSize;
   if (i >= args.num_indices) return;
@@ -61,8 +60,8 @@ template <typename G, typename W, typename I>
 ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBuffer& weights,
                const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets,
                const ffi::AnyBuffer& sorted_keys, const ffi::AnyBuffer& sorted_positions,
-               const ffi::AnyBuffer& sorted_bags, float* grad_weights, size_t grad_weights_bytes, float* grad_psw,
-               const BackwardArgs& args) {
+               const ffi::AnyBuffer& sorted_bags, float* grad_weights, size_t grad_weights_bytes,
+               float* grad_psw, const BackwardArgs& args) {
   if (ffi::Error e = Check(cudaMemsetAsync(grad_weights, 0, grad_weights_bytes, stream), "memset");
       e.failure()) {
     return e;
@@ -70,50 +69,54 @@ ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBu
   const unsigned blocks = static_cast<unsigned>((args.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (blocks == 0 || args.batch_size == 0) return ffi::Error::Success();
   RowGradients<G, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
-      reinterpret_cast<const G*>(grad.untyped_data()), indices.typed_data<I>(),
-      offsets.typed_data<I>(), sorted_keys.typed_data<I>(), sorted_positions.typed_data<I>(),
-      sorted_bags.typed_data<I>(), grad_weights, args);
+      reinterpret_cast<const G*>(grad.untyped_data()), indices.typed_data<I>(), offsets.typed_data<I>(),
+      sorted_keys.typed_data<I>(), sorted_positions.typed_data<I>(), sorted_bags.typed_data<I>(),
+      grad_weights, args);
   if (ffi::Error e = Check(cudaGetLastError(), "row gradients"); e.failure()) return e;
   if (grad_psw != nullptr) {
-    if (ffi::Error e = Check(cudaMemsetAsync(grad_psw, 0, args.num_indices * sizeof(float), stream),
-                             "memset");
+    if (ffi::Error e =
+            Check(cudaMemsetAsync(grad_psw, 0, args.num_indices * sizeof(float), stream), "memset");
         e.failure()) {
       return e;
     }
     PerSampleWeightGradients<G, W, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
-        reinterpret_cast<const G*>(grad.untyped_data()),
-        reinterpret_cast<const W*>(weights.untyped_data()), indices.typed_data<I>(),
-        offsets.typed_data<I>(), grad_psw, args);
+        reinterpret_cast<const G*>(grad.untyped_data()), reinterpret_cast<const W*>(weights.untyped_data()),
+        indices.typed_data<I>(), offsets.typed_data<I>(), grad_psw, args);
     if (ffi::Error e = Check(cudaGetLastError(), "per-sample weight gradients"); e.failure()) return e;
   }
   return ffi::Error::Success();
 }
 
 template <typename G, typename I>
-ffi::Error DispatchWeights(cudaStream_t stream, const ffi::AnyBuffer& grad,
-                           const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
-                           const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& keys,
-                           const ffi::AnyBuffer& positions, const ffi::AnyBuffer& bags, float* gw, size_t gw_bytes,
-                           float* gpsw, const BackwardArgs& args) {
+ffi::Error DispatchWeights(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBuffer& weights,
+                           const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets,
+                           const ffi::AnyBuffer& keys, const ffi::AnyBuffer& positions,
+                           const ffi::AnyBuffer& bags, float* gw, size_t gw_bytes, float* gpsw,
+                           const BackwardArgs& args) {
   switch (weights.element_type()) {
-    case ffi::DataType::F32: return Run<G, float, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes, gpsw, args);
-    case ffi::DataType::F16: return Run<G, __half, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes, gpsw, args);
-    case ffi::DataType::BF16: return Run<G, __nv_bfloat16, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes, gpsw, args);
-    default: return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: weights must be f32, f16 or bf16");
+    case ffi::DataType::F32:
+      return Run<G, float, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes,
+                              gpsw, args);
+    case ffi::DataType::F16:
+      return Run<G, __half, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes,
+                               gpsw, args);
+    case ffi::DataType::BF16:
+      return Run<G, __nv_bfloat16, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw,
+                                      gw_bytes, gpsw, args);
+    default:
+      return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: weights must be f32, f16 or bf16");
   }
 }
 
 ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyBuffer weights,
                                  ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
-                                 ffi::Buffer<ffi::F32> per_sample_weights,
-                                 ffi::Buffer<ffi::S32> layout, ffi::AnyBuffer sorted_keys,
-                                 ffi::AnyBuffer sorted_positions, ffi::AnyBuffer sorted_bags,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> grad_weights,
+                                 ffi::Buffer<ffi::F32> per_sample_weights, ffi::Buffer<ffi::S32> layout,
+                                 ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
+                                 ffi::AnyBuffer sorted_bags, ffi::Result<ffi::Buffer<ffi::F32>> grad_weights,
                                  ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t pooling) {
   const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
   const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
-  if (num_features == 0 || num_bags % num_features != 0 ||
-      indices.element_type() != offsets.element_type() ||
+  if (num_features == 0 || num_bags % num_features != 0 || indices.element_type() != offsets.element_type() ||
       sorted_keys.element_type() != indices.element_type() ||
       sorted_positions.element_type() != indices.element_type() ||
       sorted_bags.element_type() != indices.element_type()) {
@@ -132,7 +135,8 @@ ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::
   args.num_indices = indices.element_count();
   const auto grad_dims = grad.dimensions();
   args.grad_row_width = grad_dims.size() == 2 ? grad_dims[1] : 0;
-  args.per_sample_weights = per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
+  args.per_sample_weights =
+      per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
   args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
   args.sequence = pooling == static_cast<int32_t>(PoolingMode::kNone);
   float* gw = grad_weights->typed_data();
@@ -142,10 +146,17 @@ ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
     switch (grad.element_type()) {
-      case ffi::DataType::F32: return DispatchWeights<float, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
-      case ffi::DataType::F16: return DispatchWeights<__half, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
-      case ffi::DataType::BF16: return DispatchWeights<__nv_bfloat16, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
-      default: return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: grad must be f32, f16 or bf16");
+      case ffi::DataType::F32:
+        return DispatchWeights<float, I>(stream, grad, weights, indices, offsets, sorted_keys,
+                                         sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
+      case ffi::DataType::F16:
+        return DispatchWeights<__half, I>(stream, grad, weights, indices, offsets, sorted_keys,
+                                          sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
+      case ffi::DataType::BF16:
+        return DispatchWeights<__nv_bfloat16, I>(stream, grad, weights, indices, offsets, sorted_keys,
+                                                 sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
+      default:
+        return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: grad must be f32, f16 or bf16");
     }
   });
 }

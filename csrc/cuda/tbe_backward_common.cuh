@@ -22,7 +22,7 @@ struct BackwardArgs {
   int64_t num_features;
   int64_t batch_size;
   int64_t num_indices;
-  int64_t grad_row_width;  // pooled: total_dim; sequence: dim
+  int64_t grad_row_width;           // pooled: total_dim; sequence: dim
   const float* per_sample_weights;  // nullptr when unweighted
   bool mean;
   bool sequence;
@@ -49,30 +49,32 @@ __device__ __forceinline__ int64_t BagOf(const I* offsets, int64_t num_bags, I p
   int64_t lo = 0, hi = num_bags;  // offsets[lo] <= position < offsets[hi]
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
-    if (offsets[mid] <= position) lo = mid; else hi = mid;
+    if (offsets[mid] <= position)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
 
 // Factor of position p in bag `bag`: its per-sample weight, over L for MEAN.
 template <typename I>
-__device__ __forceinline__ float PositionScale(const BackwardArgs& args, const I* offsets,
-                                               int64_t bag, I p) {
+__device__ __forceinline__ float PositionScale(const BackwardArgs& args, const I* offsets, int64_t bag, I p) {
   float scale = args.per_sample_weights ? args.per_sample_weights[p] : 1.f;
   if (args.mean) scale /= static_cast<float>(offsets[bag + 1] - offsets[bag]);
   return scale;
 }
 
 template <typename G, typename I>
-__device__ __forceinline__ const G* GradRow(const BackwardArgs& args, const G* grad, int64_t bag,
-                                            int64_t f, I p) {
+__device__ __forceinline__ const G* GradRow(const BackwardArgs& args, const G* grad, int64_t bag, int64_t f,
+                                            I p) {
   if (args.sequence) return grad + static_cast<int64_t>(p) * args.grad_row_width;
   return grad + (bag - f * args.batch_size) * args.grad_row_width + args.output_offsets[f];
 }
 
 // grad_psw[p] = <grad row of p's bag, weight row of p> (over L for MEAN); one warp per position.
 template <typename G, typename W, typename I>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
     PerSampleWeightGradients(const G* __restrict__ grad, const W* __restrict__ weights,
                              const I* __restrict__ indices, const I* __restrict__ offsets,
                              float* __restrict__ grad_psw, BackwardArgs args) {

@@ -34,7 +34,7 @@ struct ForwardArgs {
   int64_t batch_size;
   int64_t total_dim;  // pooled: output row width; sequence: dim
   int32_t num_warps;
-  int64_t num_indices;  // N
+  int64_t num_indices;              // N
   const float* per_sample_weights;  // nullptr when unweighted
   bool mean;
 };
@@ -45,10 +45,9 @@ struct ForwardArgs {
 // compare per id, no extra pass over the ids; what that costs against the unchecked
 // kernel is measured by benchmarks/tbe_guard_ab_gpu.py (docs/reliability.md).
 template <typename W, typename I>
-__device__ __forceinline__ float4 PoolColumns4(const W* __restrict__ table,
-                                               const I* __restrict__ indices,
-                                               const float* __restrict__ psw, I start, I end,
-                                               I hi, int64_t dim, int64_t c, bool* clamped) {
+__device__ __forceinline__ float4 PoolColumns4(const W* __restrict__ table, const I* __restrict__ indices,
+                                               const float* __restrict__ psw, I start, I end, I hi,
+                                               int64_t dim, int64_t c, bool* clamped) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   bool any = false;
   I p = start;
@@ -80,19 +79,20 @@ __device__ __forceinline__ float4 PoolColumns4(const W* __restrict__ table,
 // drops it). One id at a time, so that it adds no registers to the common path.
 template <typename W, typename I>
 __device__ __forceinline__ float4 PoolValidIds4(const W* __restrict__ table, const I* __restrict__ indices,
-                                             const float* __restrict__ psw, I start, I end,
-                                             int64_t rows, int64_t dim, int64_t c) {
+                                                const float* __restrict__ psw, I start, I end, int64_t rows,
+                                                int64_t dim, int64_t c) {
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
   for (I p = start; p < end; ++p) {
     const I id = indices[p];
-    if (RowInRange(id, rows)) Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(id) * dim + c));
+    if (RowInRange(id, rows))
+      Fma4(acc, psw ? psw[p] : 1.f, Load4(table + static_cast<int64_t>(id) * dim + c));
   }
   return acc;
 }
 
 // kSequence: PoolingMode::kNone, one output row per index position.
 template <typename W, typename O, typename I, bool kSequence>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
     TbeForwardKernel(const W* __restrict__ weights, const I* __restrict__ indices,
                      const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
   const int32_t warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
@@ -176,8 +176,8 @@ ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi:
   if (blocks > 0) {
     auto kernel = sequence ? TbeForwardKernel<W, O, I, true> : TbeForwardKernel<W, O, I, false>;
     kernel<<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
-        reinterpret_cast<const W*>(weights.untyped_data()), indices.typed_data<I>(),
-        offsets.typed_data<I>(), reinterpret_cast<O*>(out->untyped_data()), args);
+        reinterpret_cast<const W*>(weights.untyped_data()), indices.typed_data<I>(), offsets.typed_data<I>(),
+        reinterpret_cast<O*>(out->untyped_data()), args);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
@@ -187,14 +187,18 @@ ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi:
 }
 
 template <typename W, typename I>
-ffi::Error DispatchOutput(cudaStream_t stream, const ffi::AnyBuffer& weights,
-                          const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets,
-                          ffi::AnyBuffer* out, const ForwardArgs& args, bool sequence) {
+ffi::Error DispatchOutput(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
+                          const ffi::AnyBuffer& offsets, ffi::AnyBuffer* out, const ForwardArgs& args,
+                          bool sequence) {
   switch (out->element_type()) {
-    case ffi::DataType::F32: return Launch<W, float, I>(stream, weights, indices, offsets, out, args, sequence);
-    case ffi::DataType::F16: return Launch<W, __half, I>(stream, weights, indices, offsets, out, args, sequence);
-    case ffi::DataType::BF16: return Launch<W, __nv_bfloat16, I>(stream, weights, indices, offsets, out, args, sequence);
-    default: return ffi::Error::InvalidArgument("jaxrec_tbe_forward: output must be f32, f16 or bf16");
+    case ffi::DataType::F32:
+      return Launch<W, float, I>(stream, weights, indices, offsets, out, args, sequence);
+    case ffi::DataType::F16:
+      return Launch<W, __half, I>(stream, weights, indices, offsets, out, args, sequence);
+    case ffi::DataType::BF16:
+      return Launch<W, __nv_bfloat16, I>(stream, weights, indices, offsets, out, args, sequence);
+    default:
+      return ffi::Error::InvalidArgument("jaxrec_tbe_forward: output must be f32, f16 or bf16");
   }
 }
 
@@ -224,17 +228,23 @@ ffi::Error TbeForwardCuda(cudaStream_t stream, ffi::AnyBuffer weights, ffi::AnyB
   args.total_dim = out_dims.size() == 2 ? out_dims[1] : 0;
   args.num_warps = static_cast<int32_t>(num_warps);
   args.num_indices = static_cast<int64_t>(indices.element_count());
-  args.per_sample_weights = per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
+  args.per_sample_weights =
+      per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
   args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
 
   ffi::AnyBuffer* out_buffer = &(*out);
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
     switch (weights.element_type()) {
-      case ffi::DataType::F32: return DispatchOutput<float, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
-      case ffi::DataType::F16: return DispatchOutput<__half, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
-      case ffi::DataType::BF16: return DispatchOutput<__nv_bfloat16, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
-      default: return ffi::Error::InvalidArgument("jaxrec_tbe_forward: weights must be f32, f16 or bf16");
+      case ffi::DataType::F32:
+        return DispatchOutput<float, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
+      case ffi::DataType::F16:
+        return DispatchOutput<__half, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
+      case ffi::DataType::BF16:
+        return DispatchOutput<__nv_bfloat16, I>(stream, weights, indices, offsets, out_buffer, args,
+                                                sequence);
+      default:
+        return ffi::Error::InvalidArgument("jaxrec_tbe_forward: weights must be f32, f16 or bf16");
     }
   });
 }
@@ -245,12 +255,12 @@ ffi::Error TbeForwardCuda(cudaStream_t stream, ffi::AnyBuffer weights, ffi::AnyB
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeForwardCuda, jaxrec::TbeForwardCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()                 // weights
-                                  .Arg<xla::ffi::AnyBuffer>()                 // indices
-                                  .Arg<xla::ffi::AnyBuffer>()                 // offsets
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()     // per_sample_weights
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // layout
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()     // schedule
-                                  .Ret<xla::ffi::AnyBuffer>()                 // output
+                                  .Arg<xla::ffi::AnyBuffer>()              // weights
+                                  .Arg<xla::ffi::AnyBuffer>()              // indices
+                                  .Arg<xla::ffi::AnyBuffer>()              // offsets
+                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // per_sample_weights
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layout
+                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // schedule
+                                  .Ret<xla::ffi::AnyBuffer>()              // output
                                   .Attr<int32_t>("pooling")
                                   .Attr<int64_t>("num_warps"));

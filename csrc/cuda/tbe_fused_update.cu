@@ -39,7 +39,7 @@
 namespace jaxrec {
 namespace {
 
-constexpr int kMaxChunks = 8;  // dims up to 8 * 128 = 1024 columns
+constexpr int kMaxChunks = 8;     // dims up to 8 * 128 = 1024 columns
 constexpr int64_t kWindow = 256;  // sorted entries one warp sums before partial rows take over
 
 // A state buffer of runtime dtype (float32, bfloat16 or float16); the branch is uniform.
@@ -48,34 +48,52 @@ struct StateBuffer {
   ffi::DataType dtype;
 
   template <typename T>
-  __device__ __forceinline__ T* As() const { return static_cast<T*>(data); }
+  __device__ __forceinline__ T* As() const {
+    return static_cast<T*>(data);
+  }
 
   __device__ __forceinline__ float4 Load4(int64_t i, int count) const {
     switch (dtype) {
-      case ffi::DataType::BF16: return LoadAny4(As<__nv_bfloat16>() + i, count);
-      case ffi::DataType::F16: return LoadAny4(As<__half>() + i, count);
-      default: return LoadAny4(As<float>() + i, count);
+      case ffi::DataType::BF16:
+        return LoadAny4(As<__nv_bfloat16>() + i, count);
+      case ffi::DataType::F16:
+        return LoadAny4(As<__half>() + i, count);
+      default:
+        return LoadAny4(As<float>() + i, count);
     }
   }
   __device__ __forceinline__ void Store4(int64_t i, float4 v, int count) const {
     switch (dtype) {
-      case ffi::DataType::BF16: StoreAny4(As<__nv_bfloat16>() + i, v, count); break;
-      case ffi::DataType::F16: StoreAny4(As<__half>() + i, v, count); break;
-      default: StoreAny4(As<float>() + i, v, count);
+      case ffi::DataType::BF16:
+        StoreAny4(As<__nv_bfloat16>() + i, v, count);
+        break;
+      case ffi::DataType::F16:
+        StoreAny4(As<__half>() + i, v, count);
+        break;
+      default:
+        StoreAny4(As<float>() + i, v, count);
     }
   }
   __device__ __forceinline__ float Load(int64_t i) const {
     switch (dtype) {
-      case ffi::DataType::BF16: return ToFloat(As<__nv_bfloat16>()[i]);
-      case ffi::DataType::F16: return ToFloat(As<__half>()[i]);
-      default: return As<float>()[i];
+      case ffi::DataType::BF16:
+        return ToFloat(As<__nv_bfloat16>()[i]);
+      case ffi::DataType::F16:
+        return ToFloat(As<__half>()[i]);
+      default:
+        return As<float>()[i];
     }
   }
   __device__ __forceinline__ void Store(int64_t i, float v) const {
     switch (dtype) {
-      case ffi::DataType::BF16: As<__nv_bfloat16>()[i] = FromFloat<__nv_bfloat16>(v); break;
-      case ffi::DataType::F16: As<__half>()[i] = FromFloat<__half>(v); break;
-      default: As<float>()[i] = v;
+      case ffi::DataType::BF16:
+        As<__nv_bfloat16>()[i] = FromFloat<__nv_bfloat16>(v);
+        break;
+      case ffi::DataType::F16:
+        As<__half>()[i] = FromFloat<__half>(v);
+        break;
+      default:
+        As<float>()[i] = v;
     }
   }
 };
@@ -110,13 +128,18 @@ struct WarpRow {
 };
 
 __device__ __forceinline__ void Put4(float* dst, float4 v) {
-  dst[0] = v.x; dst[1] = v.y; dst[2] = v.z; dst[3] = v.w;
+  dst[0] = v.x;
+  dst[1] = v.y;
+  dst[2] = v.z;
+  dst[3] = v.w;
 }
-__device__ __forceinline__ float4 Get4(const float* src) { return make_float4(src[0], src[1], src[2], src[3]); }
+__device__ __forceinline__ float4 Get4(const float* src) {
+  return make_float4(src[0], src[1], src[2], src[3]);
+}
 
 template <typename W>
-__device__ __forceinline__ float4 RoundStochastic4(float4 v, const FusedArgs& a, uint32_t step,
-                                                   int64_t key, int64_t column) {
+__device__ __forceinline__ float4 RoundStochastic4(float4 v, const FusedArgs& a, uint32_t step, int64_t key,
+                                                   int64_t column) {
   constexpr int kDrop = sizeof(W) == 2 ? (std::is_same_v<W, __nv_bfloat16> ? 16 : 13) : 0;
   if constexpr (kDrop == 0) {
     return v;
@@ -177,9 +200,10 @@ __device__ __forceinline__ void SumEntries(WarpRow<kChunks>& row, const float* _
 // Step 1's partial rows: warp w sums the head of window w, the entries from w * kWindow
 // on whose key is that of the entry before (a run that began in an earlier window).
 template <int kChunks, typename I>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
-    WindowHeads(const float* __restrict__ grad, const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
-                const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
+    WindowHeads(const float* __restrict__ grad, const I* __restrict__ offsets,
+                const I* __restrict__ sorted_keys, const I* __restrict__ sorted_positions,
+                const I* __restrict__ sorted_bags, FusedArgs a) {
   const BackwardArgs& ga = a.grad;
   const int64_t w = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
   const int64_t begin = w * kWindow;
@@ -201,7 +225,7 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
 }
 
 template <OptimizerKind kKind, int kChunks, typename W, typename I>
-__global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
     FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ indices,
                 const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
                 const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
@@ -216,7 +240,8 @@ __global__ void __launch_bounds__(kWarpsPerBlock * kWarpSize)
 
   const int64_t f0 = sorted_bags[i] / ga.batch_size;
   row.dim = ga.dims[f0];
-  const int64_t row_start = ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
+  const int64_t row_start =
+      ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
 
   // 1. The row's summed gradient, in sorted order: the run's entries in its first window,
   // then the head sums of the windows it continues into.
@@ -335,15 +360,32 @@ void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
 template <typename W, typename I>
 ffi::Error DispatchKind(int32_t kind, const Launch& l, int chunks, const FusedArgs& a) {
   switch (static_cast<OptimizerKind>(kind)) {
-    case OptimizerKind::kSgd: LaunchFused<OptimizerKind::kSgd, W, I>(l, chunks, a); break;
-    case OptimizerKind::kAdagrad: LaunchFused<OptimizerKind::kAdagrad, W, I>(l, chunks, a); break;
-    case OptimizerKind::kRowWiseAdagrad: LaunchFused<OptimizerKind::kRowWiseAdagrad, W, I>(l, chunks, a); break;
-    case OptimizerKind::kAdam: LaunchFused<OptimizerKind::kAdam, W, I>(l, chunks, a); break;
-    case OptimizerKind::kPartialRowWiseAdam: LaunchFused<OptimizerKind::kPartialRowWiseAdam, W, I>(l, chunks, a); break;
-    case OptimizerKind::kLamb: LaunchFused<OptimizerKind::kLamb, W, I>(l, chunks, a); break;
-    case OptimizerKind::kPartialRowWiseLamb: LaunchFused<OptimizerKind::kPartialRowWiseLamb, W, I>(l, chunks, a); break;
-    case OptimizerKind::kLarsSgd: LaunchFused<OptimizerKind::kLarsSgd, W, I>(l, chunks, a); break;
-    default: return Invalid("unknown optimizer " + std::to_string(kind));
+    case OptimizerKind::kSgd:
+      LaunchFused<OptimizerKind::kSgd, W, I>(l, chunks, a);
+      break;
+    case OptimizerKind::kAdagrad:
+      LaunchFused<OptimizerKind::kAdagrad, W, I>(l, chunks, a);
+      break;
+    case OptimizerKind::kRowWiseAdagrad:
+      LaunchFused<OptimizerKind::kRowWiseAdagrad, W, I>(l, chunks, a);
+      break;
+    case OptimizerKind::kAdam:
+      LaunchFused<OptimizerKind::kAdam, W, I>(l, chunks, a);
+      break;
+    case OptimizerKind::kPartialRowWiseAdam:
+      LaunchFused<OptimizerKind::kPartialRowWiseAdam, W, I>(l, chunks, a);
+      break;
+    case OptimizerKind::kLamb:
+      LaunchFused<OptimizerKind::kLamb, W, I>(l, chunks, a);
+      break;
+    case OptimizerKind::kPartialRowWiseLamb:
+      LaunchFused<OptimizerKind::kPartialRowWiseLamb, W, I>(l, chunks, a);
+      break;
+    case OptimizerKind::kLarsSgd:
+      LaunchFused<OptimizerKind::kLarsSgd, W, I>(l, chunks, a);
+      break;
+    default:
+      return Invalid("unknown optimizer " + std::to_string(kind));
   }
   return Check(cudaGetLastError(), "fused update");
 }
@@ -356,9 +398,9 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                               ffi::Buffer<ffi::F32> hparams, ffi::Buffer<ffi::S32> step,
                               ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
                               ffi::Result<ffi::AnyBuffer> state2_out,
-                              ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t optimizer,
-                              int32_t pooling, int32_t weight_decay_mode,
-                              int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
+                              ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t optimizer, int32_t pooling,
+                              int32_t weight_decay_mode, int32_t stochastic_rounding, int32_t seed,
+                              int32_t max_dim) {
   const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
   const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
   const ffi::DataType index_type = indices.element_type();
@@ -427,9 +469,16 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
     a.partials = static_cast<float*>(*buffer);
   }
   const unsigned window_blocks = static_cast<unsigned>((windows + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  const Launch l{stream, blocks, window_blocks, grad.typed_data(), weights_out->untyped_data(),
-                 indices.untyped_data(), offsets.untyped_data(), sorted_keys.untyped_data(),
-                 sorted_positions.untyped_data(), sorted_bags.untyped_data()};
+  const Launch l{stream,
+                 blocks,
+                 window_blocks,
+                 grad.typed_data(),
+                 weights_out->untyped_data(),
+                 indices.untyped_data(),
+                 offsets.untyped_data(),
+                 sorted_keys.untyped_data(),
+                 sorted_positions.untyped_data(),
+                 sorted_bags.untyped_data()};
 
   return DispatchIndexType(index_type, "indices", [&](auto zero) {
     using I = decltype(zero);
@@ -444,10 +493,14 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
       return DispatchKind<W, I>(optimizer, l, chunks, a);
     };
     switch (weights.element_type()) {
-      case ffi::DataType::F32: return run(float{});
-      case ffi::DataType::F16: return run(__half{});
-      case ffi::DataType::BF16: return run(__nv_bfloat16{});
-      default: return Invalid("weights must be f32, f16 or bf16");
+      case ffi::DataType::F32:
+        return run(float{});
+      case ffi::DataType::F16:
+        return run(__half{});
+      case ffi::DataType::BF16:
+        return run(__nv_bfloat16{});
+      default:
+        return Invalid("weights must be f32, f16 or bf16");
     }
   });
 }

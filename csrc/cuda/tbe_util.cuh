@@ -16,18 +16,20 @@ __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162fl
 template <typename T>
 __device__ __forceinline__ T FromFloat(float x);
 template <>
-__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+__device__ __forceinline__ float FromFloat<float>(float x) {
+  return x;
+}
 template <>
-__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+__device__ __forceinline__ __half FromFloat<__half>(float x) {
+  return __float2half_rn(x);
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
 }
 
 // Four consecutive elements; `p` must be aligned to 4 elements.
-__device__ __forceinline__ float4 Load4(const float* p) {
-  return __ldg(reinterpret_cast<const float4*>(p));
-}
+__device__ __forceinline__ float4 Load4(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
 __device__ __forceinline__ float4 Load4(const __half* p) {
   const uint2 raw = __ldg(reinterpret_cast<const uint2*>(p));
   const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&raw.x));
@@ -118,7 +120,10 @@ struct WarpSchedule {
     int32_t lo = 0, hi = num_features;  // start[lo] <= warp < start[hi]
     while (hi - lo > 1) {
       const int32_t mid = (lo + hi) / 2;
-      if (__ldg(start + mid) <= warp) lo = mid; else hi = mid;
+      if (__ldg(start + mid) <= warp)
+        lo = mid;
+      else
+        hi = mid;
     }
     return lo;
   }

@@ -37,22 +37,22 @@
 namespace jaxrec {
 namespace {
 
-constexpr int kMaxWarpsPerBlock = 4;    // chain kernels: fewer if shared memory is short
+constexpr int kMaxWarpsPerBlock = 4;  // chain kernels: fewer if shared memory is short
 constexpr int kPoolWarpsPerBlock = 8;
 // The forward waits on L2 more than it computes: at 72 registers 28 warps share an SM
 // (fewer registers spill; measured on an H100).
 constexpr int kRowsMinBlocks = 7;
-constexpr int64_t kMaxBlocks = 1 << 20;  // the chain kernels stride over the rest
+constexpr int64_t kMaxBlocks = 1 << 20;    // the chain kernels stride over the rest
 constexpr int64_t kMaxStagedSlice = 1024;  // floats: smaller slices are staged (LeftChain)
 
 struct TtArgs {
   TtShape shape;
   const float* cores[kMaxTtCores];
-  float* grad_cores[kMaxTtCores];    // backward only
-  const float* per_sample_weights;   // nullptr when unweighted
-  int64_t num_positions;             // N
+  float* grad_cores[kMaxTtCores];   // backward only
+  const float* per_sample_weights;  // nullptr when unweighted
+  int64_t num_positions;            // N
   int64_t num_bags;
-  int64_t num_embeddings;            // rows of the table: ids outside [0, it) are skipped
+  int64_t num_embeddings;  // rows of the table: ids outside [0, it) are skipped
   bool mean;
 };
 
@@ -79,7 +79,10 @@ __device__ __forceinline__ int64_t BagOfPosition(const I* offsets, int64_t num_b
   int64_t lo = 0, hi = num_bags;
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
-    if (offsets[mid] <= p) lo = mid; else hi = mid;
+    if (offsets[mid] <= p)
+      lo = mid;
+    else
+      hi = mid;
   }
   return lo;
 }
@@ -98,8 +101,7 @@ __device__ void LeftChain(const TtArgs& args, const int64_t* slice, float* ws, i
     const Strided a{ws + s.left[t], 0, s.left_ld[t], 1};
     const StridedOut c = t + 1 == s.num_cores
                              ? StridedOut{row, 1, s.q[t], 1}
-                             : StridedOut{ws + s.left[t + 1], s.left_ld[t + 1],
-                                          s.q[t] * s.left_ld[t + 1], 1};
+                             : StridedOut{ws + s.left[t + 1], s.left_ld[t + 1], s.q[t] * s.left_ld[t + 1], 1};
     const float* g = args.cores[t] + slice[t];
     if (s.stage_left[t]) {
       CopyAsync(s.r[t], width, g, s.slice_row[t], ws + s.scratch, width);
@@ -135,7 +137,7 @@ __device__ void RightStep(const TtArgs& args, const int64_t* slice, float* ws, i
 }
 
 template <typename I>
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kRowsMinBlocks)
+__global__ void __launch_bounds__((kMaxWarpsPerBlock * kWarpSize), kRowsMinBlocks)
     TtRowsKernel(const __grid_constant__ TtArgs args, const I* __restrict__ indices,
                  const I* __restrict__ offsets, float* __restrict__ rows) {
   extern __shared__ float smem[];
@@ -156,7 +158,7 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize, kRowsMinBlocks)
 // out[k] = sum of w_p * rows[p] over the bag in position order (/ len for MEAN);
 // positions of weight 0 and ids outside the table have no row and are skipped.
 template <typename I>
-__global__ void __launch_bounds__(kPoolWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__((kPoolWarpsPerBlock * kWarpSize))
     TtPoolKernel(const float* __restrict__ rows, const I* __restrict__ indices, const I* __restrict__ offsets,
                  const float* __restrict__ psw, float* __restrict__ out, int64_t num_bags,
                  int64_t num_positions, int64_t num_embeddings, int dim, bool mean) {
@@ -176,8 +178,8 @@ __global__ void __launch_bounds__(kPoolWarpsPerBlock * kWarpSize)
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {  // rows of weight 0 were never written
         w[u] = p0 + u >= end || !RowInRange(indices[p0 + u], num_embeddings) ? 0.f
-               : psw != nullptr                                          ? psw[p0 + u]
-                                                                         : 1.f;
+               : psw != nullptr                                              ? psw[p0 + u]
+                                                                             : 1.f;
         v[u] = w[u] != 0.f ? LoadAny4(rows + (p0 + u) * dim + c, count) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
@@ -188,7 +190,7 @@ __global__ void __launch_bounds__(kPoolWarpsPerBlock * kWarpSize)
 }
 
 template <typename I>
-__global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
+__global__ void __launch_bounds__((kMaxWarpsPerBlock * kWarpSize))
     TtBackwardKernel(const __grid_constant__ TtArgs args, const float* __restrict__ grad_out,
                      const I* __restrict__ indices, const I* __restrict__ offsets,
                      float* __restrict__ grad_psw) {
@@ -216,8 +218,8 @@ __global__ void __launch_bounds__(kMaxWarpsPerBlock * kWarpSize)
     const int ld = s.right_ld[last - 1];
     const float* g_last = ws + s.right[last - 1];
     CopyAsync(1, s.dim, grad_out + bag * s.dim, s.dim, grad, s.dim);
-    CopyAsync(s.r[last], s.q[last], args.cores[last] + slice[last], s.slice_row[last],
-              ws + s.right[last - 1], ld);
+    CopyAsync(s.r[last], s.q[last], args.cores[last] + slice[last], s.slice_row[last], ws + s.right[last - 1],
+              ld);
     LeftChain(args, slice, ws, last, nullptr);
     LeftTimesGrad(s, ws, last, x);
 
@@ -277,8 +279,9 @@ ffi::Error MakeShape(std::string_view op, ffi::Span<const int64_t> p, ffi::Span<
     return Invalid(op, "p_shapes must have 2 to 4 entries (one per core), got " + std::to_string(num_cores));
   }
   if (static_cast<int64_t>(q.size()) != num_cores || static_cast<int64_t>(ranks.size()) != num_cores + 1) {
-    return Invalid(op, "q_shapes must have T = " + std::to_string(num_cores) + " entries and ranks T + 1, got " +
-                           std::to_string(q.size()) + " and " + std::to_string(ranks.size()));
+    return Invalid(op, "q_shapes must have T = " + std::to_string(num_cores) +
+                           " entries and ranks T + 1, got " + std::to_string(q.size()) + " and " +
+                           std::to_string(ranks.size()));
   }
   if (ranks[0] != 1 || ranks[num_cores] != 1) {
     return Invalid(op, "ranks must start and end with 1, got " + std::to_string(ranks[0]) + " and " +
@@ -286,10 +289,11 @@ ffi::Error MakeShape(std::string_view op, ffi::Span<const int64_t> p, ffi::Span<
   }
   constexpr int64_t kMaxFactor = int64_t{1} << 30;
   for (int64_t t = 0; t < num_cores; ++t) {
-    if (p[t] < 1 || q[t] < 1 || ranks[t] < 1 || p[t] > kMaxFactor || q[t] > kMaxFactor || ranks[t] > kMaxFactor) {
+    if (p[t] < 1 || q[t] < 1 || ranks[t] < 1 || p[t] > kMaxFactor || q[t] > kMaxFactor ||
+        ranks[t] > kMaxFactor) {
       return Invalid(op, "p_shapes, q_shapes and ranks must be positive (and below 2^30); core " +
-                             std::to_string(t) + " has p=" + std::to_string(p[t]) + ", q=" +
-                             std::to_string(q[t]) + ", r=" + std::to_string(ranks[t]));
+                             std::to_string(t) + " has p=" + std::to_string(p[t]) +
+                             ", q=" + std::to_string(q[t]) + ", r=" + std::to_string(ranks[t]));
     }
   }
   int64_t dim = 1;
@@ -299,11 +303,13 @@ ffi::Error MakeShape(std::string_view op, ffi::Span<const int64_t> p, ffi::Span<
     if (size <= INT32_MAX) size *= q[t];
     if (size <= INT32_MAX) size *= ranks[t + 1];
     if (size > INT32_MAX) {
-      return Invalid(op, "core " + std::to_string(t) + " has 2^31 elements or more, beyond the CUDA "
+      return Invalid(op, "core " + std::to_string(t) +
+                             " has 2^31 elements or more, beyond the CUDA "
                              "kernel's int32 offsets; use smaller p, q or ranks, or backend=\"reference\"");
     }
     dim *= q[t];
-    if (dim > kMaxFactor) return Invalid(op, "the product of q_shapes (the embedding dim) must be below 2^30");
+    if (dim > kMaxFactor)
+      return Invalid(op, "the product of q_shapes (the embedding dim) must be below 2^30");
   }
   *s = TtShape{};
   s->num_cores = static_cast<int>(num_cores);
@@ -363,8 +369,9 @@ ffi::Error CheckCores(std::string_view op, const TtShape& s, const F32Buffer* co
   for (int t = 0; t < s.num_cores; ++t) {
     const int64_t want = int64_t{s.r[t]} * s.slice_row[t];
     if (static_cast<int64_t>(cores[t]->element_count()) != want) {
-      return Invalid(op, std::string(what) + std::to_string(t) + " must have r*p*q*r' = " + std::to_string(want) +
-                             " elements, got " + std::to_string(cores[t]->element_count()));
+      return Invalid(op, std::string(what) + std::to_string(t) +
+                             " must have r*p*q*r' = " + std::to_string(want) + " elements, got " +
+                             std::to_string(cores[t]->element_count()));
     }
   }
   return ffi::Error::Success();
@@ -381,10 +388,11 @@ ffi::Error CheckBags(std::string_view op, const ffi::AnyBuffer& indices, const f
   }
   if (psw.element_count() != 0 && psw.element_count() != indices.element_count()) {
     return Invalid(op, "per_sample_weights must be [N] like indices, or [0] when unweighted; got " +
-                           std::to_string(psw.element_count()) + " for N = " +
-                           std::to_string(indices.element_count()));
+                           std::to_string(psw.element_count()) +
+                           " for N = " + std::to_string(indices.element_count()));
   }
-  if (pooling != static_cast<int32_t>(PoolingMode::kSum) && pooling != static_cast<int32_t>(PoolingMode::kMean)) {
+  if (pooling != static_cast<int32_t>(PoolingMode::kSum) &&
+      pooling != static_cast<int32_t>(PoolingMode::kMean)) {
     return Invalid(op, "pooling must be SUM (0) or MEAN (1), got " + std::to_string(pooling));
   }
   return ffi::Error::Success();
@@ -394,7 +402,8 @@ ffi::Error CheckMatrix(std::string_view op, std::string_view what, const F32Buff
                        int64_t cols) {
   const auto dims = buffer.dimensions();
   if (dims.size() != 2 || dims[0] != rows || dims[1] != cols) {
-    return Invalid(op, std::string(what) + " must be [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+    return Invalid(
+        op, std::string(what) + " must be [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
   }
   return ffi::Error::Success();
 }
@@ -406,7 +415,8 @@ ffi::Error LaunchChain(std::string_view op, void (*kernel)(KernelArgs...), int f
                        cudaStream_t stream, Args... args) {
   int device = 0, optin = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (err == cudaSuccess)
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (err != cudaSuccess) return CudaError(op, err, "shared memory limit");
   const size_t per_warp = std::max<size_t>(size_t(floats) * sizeof(float), sizeof(float));
   if (per_warp > static_cast<size_t>(optin)) {
@@ -417,11 +427,12 @@ ffi::Error LaunchChain(std::string_view op, void (*kernel)(KernelArgs...), int f
   const int warps = static_cast<int>(std::min<size_t>(kMaxWarpsPerBlock, optin / per_warp));
   const size_t bytes = warps * per_warp;
   if (bytes > 48 * 1024) {
-    err = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel), cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(bytes));
+    err = cudaFuncSetAttribute(reinterpret_cast<const void*>(kernel),
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
     if (err != cudaSuccess) return CudaError(op, err, "shared memory attribute");
   }
-  const auto blocks = static_cast<unsigned>(std::min<int64_t>((num_positions + warps - 1) / warps, kMaxBlocks));
+  const auto blocks =
+      static_cast<unsigned>(std::min<int64_t>((num_positions + warps - 1) / warps, kMaxBlocks));
   kernel<<<blocks, warps * kWarpSize, bytes, stream>>>(args...);
   if (err = cudaGetLastError(); err != cudaSuccess) return CudaError(op, err, "chain launch");
   return ffi::Error::Success();
@@ -450,8 +461,8 @@ ffi::Error CheckNumEmbeddings(std::string_view op, ffi::Span<const int64_t> p, i
     capacity *= pt;
   }
   if (num_embeddings < 0 || capacity < num_embeddings) {
-    return Invalid(op, "num_embeddings " + std::to_string(num_embeddings) +
-                           " must be in [0, product of p_shapes]");
+    return Invalid(
+        op, "num_embeddings " + std::to_string(num_embeddings) + " must be in [0, product of p_shapes]");
   }
   return ffi::Error::Success();
 }
@@ -469,26 +480,31 @@ ffi::Error TtForwardCuda(cudaStream_t stream, ffi::AnyBuffer indices, ffi::AnyBu
   if (ffi::Error e = CheckNumEmbeddings(kForward, p_shapes, num_embeddings); e.failure()) return e;
   const F32Buffer* cores[kMaxTtCores] = {&core0, &core1, &core2, &core3};
   if (ffi::Error e = CheckCores(kForward, shape, cores, "core"); e.failure()) return e;
-  if (ffi::Error e = CheckBags(kForward, indices, offsets, per_sample_weights, pooling); e.failure()) return e;
+  if (ffi::Error e = CheckBags(kForward, indices, offsets, per_sample_weights, pooling); e.failure())
+    return e;
   const TtArgs args = MakeArgs(shape, cores, per_sample_weights, indices, offsets, pooling, num_embeddings);
   if (ffi::Error e = CheckMatrix(kForward, "out", *out, args.num_bags, shape.dim); e.failure()) return e;
-  if (ffi::Error e = CheckMatrix(kForward, "rows", *rows, args.num_positions, shape.dim); e.failure()) return e;
+  if (ffi::Error e = CheckMatrix(kForward, "rows", *rows, args.num_positions, shape.dim); e.failure())
+    return e;
 
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
     if (args.num_positions > 0) {
-      if (ffi::Error e = LaunchChain(kForward, TtRowsKernel<I>, shape.forward_floats, args.num_positions, stream,
-                                     args, indices.typed_data<I>(), offsets.typed_data<I>(), rows->typed_data());
+      if (ffi::Error e =
+              LaunchChain(kForward, TtRowsKernel<I>, shape.forward_floats, args.num_positions, stream, args,
+                          indices.typed_data<I>(), offsets.typed_data<I>(), rows->typed_data());
           e.failure()) {
         return e;
       }
     }
     if (args.num_bags > 0) {
-      const unsigned blocks = static_cast<unsigned>((args.num_bags + kPoolWarpsPerBlock - 1) / kPoolWarpsPerBlock);
+      const unsigned blocks =
+          static_cast<unsigned>((args.num_bags + kPoolWarpsPerBlock - 1) / kPoolWarpsPerBlock);
       TtPoolKernel<I><<<blocks, kPoolWarpsPerBlock * kWarpSize, 0, stream>>>(
           rows->typed_data(), indices.typed_data<I>(), offsets.typed_data<I>(), args.per_sample_weights,
           out->typed_data(), args.num_bags, args.num_positions, args.num_embeddings, shape.dim, args.mean);
-      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return CudaError(kForward, err, "pool launch");
+      if (cudaError_t err = cudaGetLastError(); err != cudaSuccess)
+        return CudaError(kForward, err, "pool launch");
     }
     return ffi::Error::Success();
   });
@@ -509,9 +525,11 @@ ffi::Error TtBackwardCuda(cudaStream_t stream, F32Buffer grad_out, ffi::AnyBuffe
   const F32Buffer* grads[kMaxTtCores] = {&*grad_core0, &*grad_core1, &*grad_core2, &*grad_core3};
   if (ffi::Error e = CheckCores(kBackward, shape, cores, "core"); e.failure()) return e;
   if (ffi::Error e = CheckCores(kBackward, shape, grads, "grad_core"); e.failure()) return e;
-  if (ffi::Error e = CheckBags(kBackward, indices, offsets, per_sample_weights, pooling); e.failure()) return e;
+  if (ffi::Error e = CheckBags(kBackward, indices, offsets, per_sample_weights, pooling); e.failure())
+    return e;
   TtArgs args = MakeArgs(shape, cores, per_sample_weights, indices, offsets, pooling, num_embeddings);
-  if (ffi::Error e = CheckMatrix(kBackward, "grad_out", grad_out, args.num_bags, shape.dim); e.failure()) return e;
+  if (ffi::Error e = CheckMatrix(kBackward, "grad_out", grad_out, args.num_bags, shape.dim); e.failure())
+    return e;
   if (grad_psw->element_count() != per_sample_weights.element_count()) {
     return Invalid(kBackward, "grad_psw must have the shape of per_sample_weights");
   }
@@ -531,8 +549,8 @@ ffi::Error TtBackwardCuda(cudaStream_t stream, F32Buffer grad_out, ffi::AnyBuffe
 
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
-    return LaunchChain(kBackward, TtBackwardKernel<I>, shape.backward_floats, args.num_positions, stream, args,
-                       grad_out.typed_data(), indices.typed_data<I>(), offsets.typed_data<I>(), gpsw);
+    return LaunchChain(kBackward, TtBackwardKernel<I>, shape.backward_floats, args.num_positions, stream,
+                       args, grad_out.typed_data(), indices.typed_data<I>(), offsets.typed_data<I>(), gpsw);
   });
 }
 

@@ -32,16 +32,16 @@ struct TtShape {
   int num_cores;  // T
   int dim;        // D = q[0] * ... * q[T-1]
   int p[kMaxTtCores], q[kMaxTtCores], r[kMaxTtCores + 1];
-  int q_left[kMaxTtCores];                  // Q_<t = q[0] * ... * q[t-1]
-  int q_right[kMaxTtCores];                 // Q_>t = q[t+1] * ... * q[T-1]
-  int slice_row[kMaxTtCores];               // p[t] q[t] r[t+1]: between rows a of a slice
+  int q_left[kMaxTtCores];                        // Q_<t = q[0] * ... * q[t-1]
+  int q_right[kMaxTtCores];                       // Q_>t = q[t+1] * ... * q[T-1]
+  int slice_row[kMaxTtCores];                     // p[t] q[t] r[t+1]: between rows a of a slice
   int left[kMaxTtCores], left_ld[kMaxTtCores];    // L_t (t >= 1): Q_<t x r[t]
   int right[kMaxTtCores], right_ld[kMaxTtCores];  // R_t (t <= T-2): r[t+1] x Q_>t
-  bool stage_left[kMaxTtCores];  // the step L_t -> L_{t+1} first copies G_t to the scratch
-  int scratch;           // a staged core slice, or X_t
-  int grad;              // the bag's output gradient (D)
-  int forward_floats;    // per warp, forward: L_1 .. L_{T-1} and the scratch for staged slices
-  int backward_floats;   // per warp, backward: everything
+  bool stage_left[kMaxTtCores];                   // the step L_t -> L_{t+1} first copies G_t to the scratch
+  int scratch;                                    // a staged core slice, or X_t
+  int grad;                                       // the bag's output gradient (D)
+  int forward_floats;   // per warp, forward: L_1 .. L_{T-1} and the scratch for staged slices
+  int backward_floats;  // per warp, backward: everything
 };
 
 // Element (b, i, j) of a batch of matrices is data[b * batch + i * row + j * col].
@@ -187,9 +187,14 @@ __device__ __forceinline__ int PickTile(const GemmDims& d) {
 template <bool kGlobalA, bool kGlobalB, bool kAdjacentCols, bool kAtomic>
 __device__ void WarpGemm(const GemmDims& d, const Strided& a, const Strided& b, const StridedOut& c) {
   switch (PickTile(d)) {
-    case 4: GemmTiles<4, kGlobalA, kGlobalB, kAdjacentCols, kAtomic>(d, a, b, c); break;
-    case 2: GemmTiles<2, kGlobalA, kGlobalB, kAdjacentCols, kAtomic>(d, a, b, c); break;
-    default: GemmTiles<1, kGlobalA, kGlobalB, kAdjacentCols, kAtomic>(d, a, b, c);
+    case 4:
+      GemmTiles<4, kGlobalA, kGlobalB, kAdjacentCols, kAtomic>(d, a, b, c);
+      break;
+    case 2:
+      GemmTiles<2, kGlobalA, kGlobalB, kAdjacentCols, kAtomic>(d, a, b, c);
+      break;
+    default:
+      GemmTiles<1, kGlobalA, kGlobalB, kAdjacentCols, kAtomic>(d, a, b, c);
   }
 }
 

@@ -1,8 +1,9 @@
 """jaxrec: FBGEMM_GPU and TorchRec for JAX.
 
-Layers: ``jaxrec.sparse`` (jagged types), ``jaxrec.ops`` (functional ops over XLA
-FFI kernels); ``jaxrec.optim``, ``jaxrec.nn``, ``jaxrec.parallel`` and
-``jaxrec.data`` grow with the roadmap in the README.
+Layers: ``jaxrec.sparse`` (jagged types) <- ``jaxrec.ops`` (functional ops over XLA
+FFI kernels) <- ``jaxrec.optim`` (fused optimizers) <- ``jaxrec.nn`` (Flax NNX modules)
+<- ``jaxrec.models``; ``jaxrec.parallel`` (sharding) on top; ``jaxrec.data``,
+``jaxrec.metrics``, ``jaxrec.checkpoint`` and ``jaxrec.train`` beside them.
 """
 
 from importlib.metadata import PackageNotFoundError, version

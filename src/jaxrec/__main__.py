@@ -69,22 +69,34 @@ def demo() -> None:
           "(user rows 1, 3, 7 and item rows 0, 2, 4 + 8)")
 
 
+COMMANDS = ("train", "bench", "demo", "info")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="jaxrec", description=__doc__.splitlines()[0])
-    parser.add_argument("command", nargs="?", default="train",
-                        choices=["train", "bench", "demo", "info"])
-    args, rest = parser.parse_known_args(argv)
-    if args.command == "train":  # each sub-command parses its own arguments
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="jaxrec", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="train", choices=COMMANDS)
+    # The sub-command parses its own arguments, --help included; options without a
+    # command go to the default command (`jaxrec --steps 100` trains).
+    if argv and argv[0] in COMMANDS:
+        command, rest = argv[0], argv[1:]
+    elif argv and (argv[0] in ("-h", "--help") or not argv[0].startswith("-")):
+        parser.parse_args(argv[:1])  # prints the help, or names the unknown command; exits
+        return 2
+    else:
+        command, rest = "train", argv
+    if command == "train":
         from jaxrec.train import main as train_main
 
         return train_main(rest)
-    if args.command == "bench":
+    if command == "bench":
         from jaxrec.benchmark import main as bench_main
 
         return bench_main(rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if args.command == "info":
+    if command == "info":
         from jaxrec import build_info
 
         print(json.dumps(build_info(), indent=2))

@@ -16,8 +16,9 @@ import ctypes
 import functools
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jaxlib

@@ -13,8 +13,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-
 from data_testing import bags, deny_read, valid_rows
+
 from jaxrec.data import (
     CRITEO_KAGGLE_CARDINALITIES,
     CRITEO_SPARSE_KEYS,
@@ -40,7 +40,7 @@ def make_rows(n, seed=0):
     for i in range(n):
         dense = [rng.choice(["", "-1", "0", "1", "5", "13275", str(rng.randint(-2, 10**6))])
                  for _ in range(13)]
-        cats = [rng.choice(["", "%08x" % rng.getrandbits(32), "%08X" % rng.getrandbits(32),
+        cats = [rng.choice(["", f"{rng.getrandbits(32):08x}", f"{rng.getrandbits(32):08X}",
                             "ffffffff", "00000000", "1a"])
                 for _ in range(26)]
         rows.append([str(i % 3 % 2)] + dense + cats)

@@ -11,8 +11,8 @@ import random
 
 import numpy as np
 import pytest
-
 from data_testing import bags, deny_read, valid_rows
+
 from jaxrec.data import (
     MOVIELENS_100K_SPLITS,
     DataFileError,

@@ -7,10 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from data_testing import bags
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from data_testing import bags
 from jaxrec.data import Batch, Prefetcher, SyntheticClickLog
 from jaxrec.data._batch import make_batch, rebatch
 

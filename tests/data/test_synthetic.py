@@ -4,8 +4,8 @@ import math
 
 import numpy as np
 import pytest
-
 from data_testing import bags, pairwise_auc
+
 from jaxrec import metrics
 from jaxrec.data import (
     CRITEO_KAGGLE_CARDINALITIES,

@@ -89,7 +89,7 @@ def test_tables_move_only_where_looked_up():
     batch = next(log.batches(16))
     make_train_step(bce)(model, PartitionedOptimizer(model, optax.adam(1e-3)), batch)
     after = model.sparse_arch.split_embedding_weights()
-    for j, key in enumerate(log.keys):
+    for key in log.keys:
         ids = np.unique(np.asarray(batch.sparse[key].values())[:16])  # one id per bag
         changed = np.flatnonzero(np.any(np.asarray(after[f"t_{key}"]) != before[f"t_{key}"], 1))
         np.testing.assert_array_equal(changed, ids)

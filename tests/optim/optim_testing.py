@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
-
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxrec import optim
 from jaxrec.ops import TableLayout, embedding_bag_sparse_grad

@@ -1,14 +1,12 @@
 """Configs, traced hyperparameters, state layout and input validation of jaxrec.optim."""
 
 import dataclasses
-
-import numpy as np
-import pytest
+import enum
 
 import jax
 import jax.numpy as jnp
-
-from jaxrec import optim
+import numpy as np
+import pytest
 from optim_testing import (
     LAYOUT,
     jitted_update,
@@ -19,6 +17,8 @@ from optim_testing import (
     sparse_grad,
     to_jax,
 )
+
+from jaxrec import optim
 
 
 @pytest.mark.parametrize("cls", [optim.RowWiseAdagrad, optim.Adam])
@@ -76,8 +76,20 @@ def test_configs_are_hashable_and_keep_fbgemm_defaults():
         "LAMB", "PARTIAL_ROWWISE_LAMB", "LARS_SGD", "NONE"]
 
 
+@pytest.mark.parametrize("spelling, mode", [
+    ("L2", "l2"), ("DECOUPLE", "decoupled"), ("NONE", "none"), (1, "l2"), (2, "decoupled"), (0, "none"),
+    ("decoupled", "decoupled"), (enum.Enum("WeightDecayMode", {"L2": 1}).L2, "l2"),
+])
+def test_weight_decay_mode_accepts_fbgemm_spellings(spelling, mode):
+    config = optim.RowWiseAdagrad(weight_decay=0.1, weight_decay_mode=spelling)
+    assert config.weight_decay_mode == mode
+    assert config == optim.RowWiseAdagrad(weight_decay=0.1, weight_decay_mode=mode)  # one compiled program
+
+
 @pytest.mark.parametrize("build, error, match", [
     (lambda: optim.RowWiseAdagrad(weight_decay_mode="l1"), ValueError, "weight_decay_mode"),
+    (lambda: optim.RowWiseAdagrad(weight_decay_mode="COWCLIP"), ValueError, "COWCLIP .* not supported"),
+    (lambda: optim.RowWiseAdagrad(weight_decay_mode=3), ValueError, "weight_decay_mode"),
     (lambda: optim.Adam(beta1=1.0), ValueError, "beta1"),
     (lambda: optim.SGD(learning_rate=-0.1), ValueError, "learning_rate"),
     (lambda: optim.SGD(max_gradient=0.0), ValueError, "max_gradient"),

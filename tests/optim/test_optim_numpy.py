@@ -7,16 +7,13 @@ each weight-decay mode; rows not in a batch stay bit-identical, state included.
 
 import dataclasses
 
-import numpy as np
-import pytest
-
 import jax
 import jax.numpy as jnp
-
-from jaxrec import optim
-from jaxrec.ops import SparseRowGrad
+import numpy as np
+import pytest
 from optim_testing import (
     LAYOUT,
+    _reference_row,
     from_jax,
     jitted_update,
     make,
@@ -24,10 +21,12 @@ from optim_testing import (
     random_batch,
     random_tables,
     reference_step,
-    _reference_row,
     sparse_grad,
     to_jax,
 )
+
+from jaxrec import optim
+from jaxrec.ops import SparseRowGrad
 
 # Tolerance = K[state dtype] * steps * (eps of the state dtype) * (size of what it rounds):
 # the state's own magnitude, and for the weights the distance they moved (plus float32

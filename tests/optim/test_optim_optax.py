@@ -18,15 +18,14 @@ What is compared, and the differences (each tested below or in test_optim_numpy.
 
 import functools
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import jax
-import jax.numpy as jnp
+from optim_testing import HP, LAYOUT, jitted_update, make, merged_grads, random_batch, sparse_grad
 
 from jaxrec import optim
-from optim_testing import HP, LAYOUT, jitted_update, make, merged_grads, random_batch, sparse_grad
 
 LR, B1, B2, EPS, WD, ETA, MOM = (HP[k] for k in ("learning_rate", "beta1", "beta2", "eps",
                                                   "weight_decay", "eta", "momentum"))

@@ -10,17 +10,16 @@
 
 import re
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-import jax
-import jax.numpy as jnp
+from optim_testing import make, random_batch
 
 from jaxrec import optim
 from jaxrec.ops import TableLayout, embedding_bag_lookup
 from jaxrec.optim import fused_update
-from optim_testing import make, random_batch
 
 LAYOUT = TableLayout(rows=(1031, 517), dims=(16, 8), feature_table_map=(0, 1, 0))
 OTHER = TableLayout(rows=(211,), dims=(12,), feature_table_map=(0,))

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from parallel_testing import B, KEYS, N, build, mesh, plan, random_batch, squared_error
+from parallel_testing import KEYS, B, N, build, mesh, plan, random_batch, squared_error
 
 import jaxrec.parallel as par
 from jaxrec.data import Batch

@@ -113,7 +113,7 @@ def model(layout, tables, indices, offsets, pooling, psw, grad_output, per_bag=F
 def corrected_ids(layout, indices, offsets):
     """WARNING/IGNORE's ids: bad ids inside bags become 0."""
     fixed = np.array(indices)
-    for f, _, p, i, ok, _ in bags(layout, indices, offsets):
+    for _, _, p, _, ok, _ in bags(layout, indices, offsets):
         if not ok:
             fixed[p] = 0
     return fixed

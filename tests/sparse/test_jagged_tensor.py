@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sparse_testing import jt_bags, padded, run  # noqa: F401  (fixtures)
 
 from jaxrec.sparse import JaggedTensor
-from sparse_testing import jt_bags, padded, run  # noqa: F401  (fixtures)
 
 # bag:      0        1      2
 #           [1,2]    None   [3,4,5]

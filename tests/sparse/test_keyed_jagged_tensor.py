@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sparse_testing import jt_bags, kjt_bags, padded, run  # noqa: F401  (fixtures)
 
 from jaxrec.sparse import JaggedTensor, KeyedJaggedTensor, capacity_bucket
-from sparse_testing import jt_bags, kjt_bags, padded, run  # noqa: F401  (fixtures)
 
 # Case A: TorchRec's docstring example, capacity 12 (not a bucket size), weights present.
 #

@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from sparse_testing import run  # noqa: F401  (fixtures)
 
 from jaxrec.sparse import KeyedTensor
-from sparse_testing import run  # noqa: F401  (fixtures)
 
 #          "f0" (dim 2)   "f1" (dim 3)           "f2" (dim 1)
 # kt0 =  [[ 1  2   |   3  4  5],         kt1 = [[ 6],

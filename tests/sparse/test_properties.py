@@ -81,7 +81,7 @@ def kjt_view(kjt):
 
 
 # ---- the ops under test, one jitted program per layout ---------------------------------
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def program(layout: Layout):
     @jax.jit
     def f(kjt):

@@ -20,8 +20,7 @@ import pytest
 
 from jaxrec.checkpoint import CheckpointLock, all_steps, restore_checkpoint, save_checkpoint
 from jaxrec.nn import PartitionedOptimizer
-from jaxrec.train import TrainConfig, TrainingStopped, main, train
-from jaxrec.train import _loop
+from jaxrec.train import TrainConfig, TrainingStopped, _loop, main, train
 from jaxrec.train._tasks import build_task
 
 FLAGS = ["--batch-size", "32", "--embedding-dim", "4", "--eval-every", "2", "--backend",

@@ -18,17 +18,6 @@ import numpy as np
 import pytest
 import scipy.stats
 from jax.test_util import check_grads
-
-from jaxrec.ops import (
-    WEIGHT_DISTS,
-    PoolingMode,
-    TTLayout,
-    init_tt_cores,
-    suggested_tt_shapes,
-    tt_embedding_bag,
-    tt_full_weight,
-    tt_rows,
-)
 from tt_testing import (
     LAYOUTS,
     U32,
@@ -40,6 +29,17 @@ from tt_testing import (
     pooled_rows_numpy,
     random_bags,
     random_cores,
+)
+
+from jaxrec.ops import (
+    WEIGHT_DISTS,
+    PoolingMode,
+    TTLayout,
+    init_tt_cores,
+    suggested_tt_shapes,
+    tt_embedding_bag,
+    tt_full_weight,
+    tt_rows,
 )
 
 SUM, MEAN = PoolingMode.SUM, PoolingMode.MEAN
@@ -356,8 +356,8 @@ def check_vmap(backend):
     batched = jax.jit(jax.vmap(f_and_grads))(cores, weights)
     single = jax.jit(f_and_grads)
     for k in range(2):
-        want = single(jax.tree.map(lambda x: x[k], cores), weights[k])
-        for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[k], batched)), jax.tree.leaves(want)):
+        want = single(jax.tree.map(lambda x: x[k], cores), weights[k])  # noqa: B023 (called here)
+        for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x[k], batched)), jax.tree.leaves(want)):  # noqa: B023
             np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * float(np.abs(b).max()))
 
 

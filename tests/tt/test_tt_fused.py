@@ -18,10 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-
-from jaxrec import optim
-from jaxrec.ops import PoolingMode, tt_embedding_bag, tt_full_weight, tt_rows
-from jaxrec.ops.tt_cache import EMPTY
 from tt_testing import (
     GARBAGE_ID,
     LAYOUTS,
@@ -33,6 +29,10 @@ from tt_testing import (
     rows_numpy,
     zipf_ids,
 )
+
+from jaxrec import optim
+from jaxrec.ops import PoolingMode, tt_embedding_bag, tt_full_weight, tt_rows
+from jaxrec.ops.tt_cache import EMPTY
 
 SUM, MEAN = PoolingMode.SUM, PoolingMode.MEAN
 LAY = LAYOUTS[3]  # n = 97, p = (3, 5, 7), q = (3, 1, 5), ranks (3, 5)

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 NUM_ID_SETS = 4
 """Id sets generated per case; the timed calls rotate among them."""

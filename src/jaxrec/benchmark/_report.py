@@ -12,8 +12,9 @@ distance to jaxrec's output in the benchmark's own check (empty where none is ma
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def write_json(path: str | Path, result: dict[str, Any]) -> None:

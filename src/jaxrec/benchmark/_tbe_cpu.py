@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -113,7 +114,10 @@ def fbgemm_steps(cfg, weights_np, id_sets, cotangent):
     import torch
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode, EmbeddingLocation
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        ComputeDevice, OptimType, SplitTableBatchedEmbeddingBagsCodegen)
+        ComputeDevice,
+        OptimType,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
 
     T, E, D, B, L = (cfg[k] for k in "TEDBL")
     offsets = torch.arange(T * B + 1, dtype=torch.int64) * L

@@ -16,7 +16,8 @@ XLA on the first id set.
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +173,8 @@ def bench_jagged(rng, name, rows, dims, b, max_len, iters, record, torch):
         tsets = []
         for lengths, ids in sets:
             tsets.append([(torch.from_dlpack(jnp.asarray(i)).long(),
-                           torch.from_dlpack(jnp.asarray(np.concatenate([[0], np.cumsum(lengths[f])]).astype(np.int32))).long())
+                           torch.from_dlpack(jnp.asarray(
+                               np.concatenate([[0], np.cumsum(lengths[f])]).astype(np.int32))).long())
                           for f, i in enumerate(ids)])
 
         def torch_per_table(pairs):

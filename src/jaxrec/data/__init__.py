@@ -12,27 +12,27 @@
 - ``Prefetcher``: prepares batches ahead on a background thread (with ``jax.device_put``).
 """
 
-from jaxrec.data._batch import Batch
-from jaxrec.data._batch import DataFileError
-from jaxrec.data._batch import DataFormatError
-from jaxrec.data._criteo import CRITEO_DENSE_KEYS
-from jaxrec.data._criteo import CRITEO_KAGGLE_CARDINALITIES
-from jaxrec.data._criteo import CRITEO_SPARSE_KEYS
-from jaxrec.data._criteo import CriteoReader
-from jaxrec.data._criteo import dense_log1p
-from jaxrec.data._criteo import dense_log_plus3
-from jaxrec.data._movielens import MOVIELENS_100K_SPLITS
-from jaxrec.data._movielens import MOVIELENS_KEYS
-from jaxrec.data._movielens import MOVIELENS_RATING_RANGE
-from jaxrec.data._movielens import MovieLensRatings
-from jaxrec.data._movielens import MovieLensReader
-from jaxrec.data._movielens import load_movielens_ratings
-from jaxrec.data._movielens import movielens_100k_split
-from jaxrec.data._movielens import movielens_ids
+from jaxrec.data._batch import Batch, DataFileError, DataFormatError
+from jaxrec.data._criteo import (
+    CRITEO_DENSE_KEYS,
+    CRITEO_KAGGLE_CARDINALITIES,
+    CRITEO_SPARSE_KEYS,
+    CriteoReader,
+    dense_log1p,
+    dense_log_plus3,
+)
+from jaxrec.data._movielens import (
+    MOVIELENS_100K_SPLITS,
+    MOVIELENS_KEYS,
+    MOVIELENS_RATING_RANGE,
+    MovieLensRatings,
+    MovieLensReader,
+    load_movielens_ratings,
+    movielens_100k_split,
+    movielens_ids,
+)
 from jaxrec.data._prefetch import Prefetcher
-from jaxrec.data._synthetic import BagLengths
-from jaxrec.data._synthetic import SyntheticClickLog
-from jaxrec.data._synthetic import SyntheticSample
+from jaxrec.data._synthetic import BagLengths, SyntheticClickLog, SyntheticSample
 
 __all__ = [
     "CRITEO_DENSE_KEYS",

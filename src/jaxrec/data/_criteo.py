@@ -49,14 +49,16 @@ from pathlib import Path
 
 import numpy as np
 
-from jaxrec.data._batch import Batch
-from jaxrec.data._batch import DataFormatError
-from jaxrec.data._batch import batch_from_ids
-from jaxrec.data._batch import check_batch_size
-from jaxrec.data._batch import check_data_file
-from jaxrec.data._batch import check_last_batch
-from jaxrec.data._batch import check_table_sizes
-from jaxrec.data._batch import rebatch
+from jaxrec.data._batch import (
+    Batch,
+    DataFormatError,
+    batch_from_ids,
+    check_batch_size,
+    check_data_file,
+    check_last_batch,
+    check_table_sizes,
+    rebatch,
+)
 
 CRITEO_NUM_DENSE = 13
 CRITEO_NUM_SPARSE = 26

@@ -40,13 +40,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxrec.data._batch import Batch
-from jaxrec.data._batch import DataFormatError
-from jaxrec.data._batch import batch_from_ids
-from jaxrec.data._batch import check_batch_size
-from jaxrec.data._batch import check_data_file
-from jaxrec.data._batch import check_last_batch
-from jaxrec.data._batch import rebatch
+from jaxrec.data._batch import (
+    Batch,
+    DataFormatError,
+    batch_from_ids,
+    check_batch_size,
+    check_data_file,
+    check_last_batch,
+    rebatch,
+)
 
 MOVIELENS_KEYS = ("user_id", "item_id")
 MOVIELENS_100K_SPLITS = ("u1", "u2", "u3", "u4", "u5", "ua", "ub")

@@ -114,7 +114,7 @@ class Prefetcher:
         )
         self._thread.start()
 
-    def __iter__(self) -> "Prefetcher":
+    def __iter__(self) -> Prefetcher:
         return self
 
     def __next__(self) -> Any:
@@ -139,7 +139,7 @@ class Prefetcher:
         """Whether the background thread still runs."""
         return self._thread.is_alive()
 
-    def __enter__(self) -> "Prefetcher":
+    def __enter__(self) -> Prefetcher:
         return self
 
     def __exit__(self, *exc) -> None:

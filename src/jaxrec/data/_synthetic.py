@@ -33,12 +33,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxrec.data._batch import Batch
-from jaxrec.data._batch import check_batch_size
-from jaxrec.data._batch import check_table_sizes
-from jaxrec.data._batch import make_batch
-from jaxrec.data._criteo import CRITEO_KAGGLE_CARDINALITIES
-from jaxrec.data._criteo import dense_log1p
+from jaxrec.data._batch import Batch, check_batch_size, check_table_sizes, make_batch
+from jaxrec.data._criteo import CRITEO_KAGGLE_CARDINALITIES, dense_log1p
 from jaxrec.metrics import auc
 
 _DISTRIBUTIONS = ("fixed", "poisson", "uniform")

@@ -17,15 +17,8 @@ loss), an AUC with one class only.
 
 from __future__ import annotations
 
-from jaxrec.metrics._auc import StreamingAUC
-from jaxrec.metrics._auc import WindowedAUC
-from jaxrec.metrics._auc import auc
-from jaxrec.metrics._pointwise import StreamingLogLoss
-from jaxrec.metrics._pointwise import StreamingMAE
-from jaxrec.metrics._pointwise import StreamingRMSE
-from jaxrec.metrics._pointwise import log_loss
-from jaxrec.metrics._pointwise import mae
-from jaxrec.metrics._pointwise import rmse
+from jaxrec.metrics._auc import StreamingAUC, WindowedAUC, auc
+from jaxrec.metrics._pointwise import StreamingLogLoss, StreamingMAE, StreamingRMSE, log_loss, mae, rmse
 
 __all__ = [
     "StreamingAUC",

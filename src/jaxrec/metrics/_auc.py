@@ -18,10 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numpy.typing import ArrayLike
 
-from jaxrec.metrics._validate import BINARY
-from jaxrec.metrics._validate import REAL
-from jaxrec.metrics._validate import require_examples
-from jaxrec.metrics._validate import weighted_rows
+from jaxrec.metrics._validate import BINARY, REAL, require_examples, weighted_rows
 
 
 def _split(labels, scores, weights) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -12,10 +12,7 @@ import math
 import numpy as np
 from numpy.typing import ArrayLike
 
-from jaxrec.metrics._validate import REAL
-from jaxrec.metrics._validate import UNIT
-from jaxrec.metrics._validate import require_examples
-from jaxrec.metrics._validate import weighted_rows
+from jaxrec.metrics._validate import REAL, UNIT, require_examples, weighted_rows
 
 
 def _check_eps(eps: float) -> float:

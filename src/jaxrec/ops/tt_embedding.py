@@ -44,7 +44,7 @@ from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bound
 from jaxrec.ops.tbe_layout import PoolingMode, as_pooling_mode, index_array, per_sample_weights_operand
 from jaxrec.ops.tbe_reference import clamp_offsets
 from jaxrec.ops.tt_layout import TTLayout
-from jaxrec.ops.tt_reference import batch_to_bags, bags_to_batch, tt_embedding_bag_reference
+from jaxrec.ops.tt_reference import bags_to_batch, batch_to_bags, tt_embedding_bag_reference
 
 _MAX_CORES = 4  # the kernels take four core operands; unused ones are empty
 

@@ -13,6 +13,7 @@ trained by :func:`make_train_step` (optax on the dense parameters, the fused upd
 on the tables, one jitted step with everything donated).
 """
 
+from jaxrec._step_guard import NonFiniteError, StepStats
 from jaxrec.optim._configs import (
     ALL_OPTIMIZERS,
     LAMB,
@@ -29,11 +30,6 @@ from jaxrec.optim._configs import (
     set_learning_rate,
 )
 from jaxrec.optim._fused import fused_update_reference
-from jaxrec.optim.fused_update import fused_update
-from jaxrec.optim.fused_tables import FusedEmbeddingTables, fused_lookup
-from jaxrec.optim.tt_tables import TTCacheState, TTEmbeddingTables, tt_fused_lookup
-from jaxrec._step_guard import NonFiniteError, StepStats
-from jaxrec.optim.partitioned import TrainStep, fused_value_and_grad, guarded_update, make_train_step
 from jaxrec.optim._rowwise import update_rows
 from jaxrec.optim._state import (
     AdagradState,
@@ -50,6 +46,10 @@ from jaxrec.optim._state import (
     split_optimizer_states,
     state_offsets,
 )
+from jaxrec.optim.fused_tables import FusedEmbeddingTables, fused_lookup
+from jaxrec.optim.fused_update import fused_update
+from jaxrec.optim.partitioned import TrainStep, fused_value_and_grad, guarded_update, make_train_step
+from jaxrec.optim.tt_tables import TTCacheState, TTEmbeddingTables, tt_fused_lookup
 
 __all__ = [
     "ALL_OPTIMIZERS",

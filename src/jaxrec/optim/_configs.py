@@ -28,6 +28,9 @@ import numpy as np
 from jaxrec.optim import _state
 
 WEIGHT_DECAY_MODES = ("none", "l2", "decoupled")
+# FBGEMM's WeightDecayMode names and values, accepted as spellings of the modes above.
+_FBGEMM_WEIGHT_DECAY_MODES = {"none": "none", "l2": "l2", "decouple": "decoupled", 0: "none", 1: "l2",
+                              2: "decoupled"}
 STATE_DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -169,13 +172,21 @@ class RowWiseAdagrad(_Common):
     """Weight decay strength; how it applies is ``weight_decay_mode``."""
     weight_decay_mode: str = "none"
     """"none"; "l2" (``g += weight_decay * w`` before the update, FBGEMM's L2 = 1);
-    "decoupled" (``w -= lr * weight_decay * w``, FBGEMM's DECOUPLED = 2). Static."""
+    "decoupled" (``w -= lr * weight_decay * w``, FBGEMM's DECOUPLE = 2). Static. FBGEMM's
+    spellings are accepted too ("L2", "DECOUPLE", "NONE", 0, 1, 2, or its enum member)
+    and stored as the names here."""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.weight_decay_mode not in WEIGHT_DECAY_MODES:
-            raise ValueError(f"RowWiseAdagrad.weight_decay_mode must be one of {WEIGHT_DECAY_MODES}, "
-                             f"got {self.weight_decay_mode!r}")
+        mode = self.weight_decay_mode
+        mode = getattr(mode, "name", mode)  # an enum member such as FBGEMM's WeightDecayMode.L2
+        key = mode.lower() if isinstance(mode, str) else mode
+        canonical = key if key in WEIGHT_DECAY_MODES else _FBGEMM_WEIGHT_DECAY_MODES.get(key)
+        if canonical is None:
+            raise ValueError(f"RowWiseAdagrad.weight_decay_mode must be one of {WEIGHT_DECAY_MODES} "
+                             f"(or FBGEMM's NONE, L2, DECOUPLE), got {self.weight_decay_mode!r}; "
+                             "FBGEMM's COUNTER, COWCLIP and DECOUPLE_GLOBAL modes are not supported")
+        object.__setattr__(self, "weight_decay_mode", canonical)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -141,7 +141,7 @@ def estimate(tables: Sequence[TableSpec], plan: ShardingPlan, topology: Topology
             compute[s.device] += cost
             total += cost
         table_perf[spec.name] = total
-    for group in layout.groups:  # building each group's ids, on every device
+    for _ in layout.groups:  # building each group's ids, on every device
         compute += n * b * ids_per_sample * _BUILD_BYTES_PER_ID / topology.hbm_bw
 
     comm_bytes = n * b * ids_per_sample * 8 + n * b * len(layout.features) * 4  # all_gather

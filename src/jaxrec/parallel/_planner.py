@@ -216,7 +216,7 @@ class EmbeddingShardingPlanner:
                 group = rows.setdefault((s.num_cols, spec.dtype), [0] * n)
                 group[s.device] += s.num_rows
         placed: dict[str, list[Shard]] = {}
-        for seconds, num_rows, spec, j, col, cols in sorted(
+        for seconds, num_rows, spec, _, col, cols in sorted(
                 free, key=lambda f: (-f[0], -f[1], f[2].name, f[3])):
             group = rows.setdefault((cols, spec.dtype), [0] * n)
             taken = {s.device for s in placed.get(spec.name, [])}

@@ -12,8 +12,8 @@ from jaxrec.parallel._types import ShardingType, as_sharding_type
 class Topology:
     """The devices of one mesh axis and the step they run.
 
-    Defaults are one H100 / H200 SXM node: the bandwidths are what DESIGN.md measured
-    (HBM copy ceiling) and NVLink 4 / 400 Gb/s InfiniBand per GPU.
+    Defaults are one H100 / H200 SXM node: the HBM copy ceiling benchmarks/tbe_gpu.py
+    measures (3.0 TB/s, docs/tbe.md) and NVLink 4 / 400 Gb/s InfiniBand per GPU.
     """
 
     world_size: int

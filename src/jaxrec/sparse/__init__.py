@@ -8,8 +8,7 @@ Host-side constructors pad ``values`` to ``capacity_bucket(n)`` (next power of t
 minimum 8) unless ``capacity=`` is given, so that recompiles are rare.
 """
 
-from jaxrec.sparse._capacity import MIN_CAPACITY
-from jaxrec.sparse._capacity import capacity_bucket
+from jaxrec.sparse._capacity import MIN_CAPACITY, capacity_bucket
 from jaxrec.sparse._jagged_tensor import JaggedTensor
 from jaxrec.sparse._keyed_jagged_tensor import KeyedJaggedTensor
 from jaxrec.sparse._keyed_tensor import KeyedTensor

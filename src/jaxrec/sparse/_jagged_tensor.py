@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.sparse import _capacity
-from jaxrec.sparse import _gather
+from jaxrec.sparse import _capacity, _gather
 
 
 def _concrete_lengths(lengths: jax.Array, what: str, fix: str) -> np.ndarray:
@@ -57,7 +57,7 @@ class JaggedTensor:
         self._values, self._weights, self._lengths = values, weights, lengths
 
     @classmethod
-    def _make(cls, values, lengths, weights) -> "JaggedTensor":
+    def _make(cls, values, lengths, weights) -> JaggedTensor:
         """Builds from already valid arrays (no checks, no host syncs)."""
         jt = object.__new__(cls)
         jt._values, jt._lengths, jt._weights = values, lengths, weights
@@ -80,7 +80,7 @@ class JaggedTensor:
         weights_dtype: Any = jnp.float32,
         *,
         capacity: int = 0,
-    ) -> "JaggedTensor":
+    ) -> JaggedTensor:
         """A JaggedTensor with no bags (``lengths`` of size 0) and ``capacity`` zero values."""
         capacity = _capacity.check_capacity_arg(capacity)
         weights = jnp.zeros((capacity,), weights_dtype) if is_weighted else None
@@ -94,7 +94,7 @@ class JaggedTensor:
         weights: Sequence[Any] | None = None,
         *,
         capacity: int | None = None,
-    ) -> "JaggedTensor":
+    ) -> JaggedTensor:
         """One bag per array of ``values`` (TorchRec's ``from_dense``).
 
         ::
@@ -125,7 +125,7 @@ class JaggedTensor:
     @staticmethod
     def from_dense_lengths(
         values: jax.Array, lengths: jax.Array, weights: jax.Array | None = None
-    ) -> "JaggedTensor":
+    ) -> JaggedTensor:
         """Bag ``i`` = ``values[i, :lengths[i]]``; traceable, capacity = ``B * N``.
 
         ::

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.sparse import _capacity
-from jaxrec.sparse import _gather
+from jaxrec.sparse import _capacity, _gather
 from jaxrec.sparse._jagged_tensor import JaggedTensor
 
 
@@ -105,7 +105,7 @@ class KeyedJaggedTensor:
         self._values, self._lengths, self._weights = values, lengths, weights
 
     @classmethod
-    def _make(cls, keys, stride, values, lengths, weights) -> "KeyedJaggedTensor":
+    def _make(cls, keys, stride, values, lengths, weights) -> KeyedJaggedTensor:
         """Builds from already valid arrays (no checks, no host syncs)."""
         kjt = object.__new__(cls)
         kjt._keys, kjt._stride = tuple(keys), int(stride)
@@ -130,7 +130,7 @@ class KeyedJaggedTensor:
         stride: int | None = None,
         *,
         capacity: int | None = None,
-    ) -> "KeyedJaggedTensor":
+    ) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
             keys, values, weights=weights, lengths=lengths, stride=stride, capacity=capacity
         )
@@ -144,7 +144,7 @@ class KeyedJaggedTensor:
         stride: int | None = None,
         *,
         capacity: int | None = None,
-    ) -> "KeyedJaggedTensor":
+    ) -> KeyedJaggedTensor:
         return KeyedJaggedTensor(
             keys, values, weights=weights, offsets=offsets, stride=stride, capacity=capacity
         )
@@ -156,7 +156,7 @@ class KeyedJaggedTensor:
         weights_dtype: Any = jnp.float32,
         *,
         capacity: int = 0,
-    ) -> "KeyedJaggedTensor":
+    ) -> KeyedJaggedTensor:
         """A KJT with no keys (stride 0) and ``capacity`` zero values."""
         capacity = _capacity.check_capacity_arg(capacity)
         weights = jnp.zeros((capacity,), weights_dtype) if is_weighted else None
@@ -165,7 +165,7 @@ class KeyedJaggedTensor:
         )
 
     @staticmethod
-    def from_jt_dict(jt_dict: Mapping[str, JaggedTensor]) -> "KeyedJaggedTensor":
+    def from_jt_dict(jt_dict: Mapping[str, JaggedTensor]) -> KeyedJaggedTensor:
         """Keys in dict order; every JaggedTensor must have the same number of bags (stride).
 
         Capacity = sum of the JaggedTensors' capacities.
@@ -251,10 +251,10 @@ class KeyedJaggedTensor:
         """``int32[num_keys + 1]``: where each key's ids start in ``values``."""
         return _offset_per_key(self)
 
-    def sync(self) -> "KeyedJaggedTensor":
+    def sync(self) -> KeyedJaggedTensor:
         return self
 
-    def unsync(self) -> "KeyedJaggedTensor":
+    def unsync(self) -> KeyedJaggedTensor:
         return self
 
     # -- per key --------------------------------------------------------------------------
@@ -275,7 +275,7 @@ class KeyedJaggedTensor:
     # -- re-layouts -----------------------------------------------------------------------
     def permute(
         self, indices: Sequence[int], *, capacity: int | None = None
-    ) -> "KeyedJaggedTensor":
+    ) -> KeyedJaggedTensor:
         """Keys ``[keys[i] for i in indices]`` with their bags (repeats duplicate a key).
 
         ::
@@ -304,7 +304,7 @@ class KeyedJaggedTensor:
             _check_fits(int(host_lpk[list(indices)].sum()), capacity)
         return _permute(self, indices, capacity)
 
-    def split(self, segments: Sequence[int]) -> list["KeyedJaggedTensor"]:
+    def split(self, segments: Sequence[int]) -> list[KeyedJaggedTensor]:
         """Consecutive groups of ``segments[j]`` keys, one KJT each (stride kept).
 
         ::
@@ -327,8 +327,8 @@ class KeyedJaggedTensor:
 
     @staticmethod
     def concat(
-        kjt_list: Sequence["KeyedJaggedTensor"], *, capacity: int | None = None
-    ) -> "KeyedJaggedTensor":
+        kjt_list: Sequence[KeyedJaggedTensor], *, capacity: int | None = None
+    ) -> KeyedJaggedTensor:
         """Keys, lengths and values of each KJT one after the other (same stride for all).
 
         ::

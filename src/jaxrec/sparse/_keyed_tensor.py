@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +66,7 @@ class KeyedTensor:
         self._keys, self._length_per_key, self._key_dim, self._values = keys, lpk, key_dim, values
 
     @classmethod
-    def _make(cls, keys, length_per_key, key_dim, values) -> "KeyedTensor":
+    def _make(cls, keys, length_per_key, key_dim, values) -> KeyedTensor:
         kt = object.__new__(cls)
         kt._keys, kt._length_per_key, kt._key_dim, kt._values = (
             keys,
@@ -85,7 +86,7 @@ class KeyedTensor:
     @staticmethod
     def from_tensor_list(
         keys: Sequence[str], tensors: Sequence[Any], key_dim: int = 1
-    ) -> "KeyedTensor":
+    ) -> KeyedTensor:
         """``values = concatenate(tensors, axis=key_dim)``; one key per tensor."""
         tensors = [jnp.asarray(t) for t in tensors]
         if len(tensors) != len(keys):
@@ -126,7 +127,7 @@ class KeyedTensor:
 
     @staticmethod
     def regroup(
-        keyed_tensors: Sequence["KeyedTensor"], groups: Sequence[Sequence[str]]
+        keyed_tensors: Sequence[KeyedTensor], groups: Sequence[Sequence[str]]
     ) -> list[jax.Array]:
         """One array per group: the blocks of its keys, in group order, along ``key_dim``.
 
@@ -171,7 +172,7 @@ class KeyedTensor:
 
     @staticmethod
     def regroup_as_dict(
-        keyed_tensors: Sequence["KeyedTensor"],
+        keyed_tensors: Sequence[KeyedTensor],
         groups: Sequence[Sequence[str]],
         keys: Sequence[str],
     ) -> dict[str, jax.Array]:

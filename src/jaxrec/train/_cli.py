@@ -25,7 +25,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help=f"default {d.steps} unless --epochs")
     p.add_argument("--epochs", type=int, help="passes over a file (criteo, movielens)")
     p.add_argument("--embedding-dim", type=int, default=d.embedding_dim)
-    p.add_argument("--max-rows", type=int, default=d.max_rows, help="cap on every table's rows (Criteo: ids hashed modulo it; "
+    p.add_argument("--max-rows", type=int, default=d.max_rows,
+                   help="cap on every table's rows (Criteo: ids hashed modulo it; "
                    "MovieLens: dense ids folded, i %% max_rows)")
     p.add_argument("--tt-ranks", type=_ints, default=d.tt_ranks, metavar="R1,R2",
                    help="TT-compress the tables of >= --tt-min-rows rows with these ranks")
