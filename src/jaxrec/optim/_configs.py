@@ -4,13 +4,14 @@ A config is a frozen, keyword-only dataclass: hashable, so it can be static unde
 ``jit``. Its *static* fields (the optimizer kind, ``gradient_clipping``,
 ``weight_decay_mode``, ``state_dtype``) shape the compiled program; its numbers
 (learning rate, betas, ...) are only defaults. The update functions read the
-numbers from an :class:`OptimizerHyperparams` pytree of float32 scalars, so a
-learning-rate schedule under ``jit`` never recompiles::
+numbers from an :class:`OptimizerHyperparams` pytree of float32 scalars.
 
-    config = RowWiseAdagrad(learning_rate=0.05)
-    hparams = config.hyperparams()                      # traced values
-    step = jax.jit(functools.partial(fused_update_reference, layout=layout, config=config))
-    w, s = step(w, s, grad, hparams=set_learning_rate(hparams, schedule(i)))
+``learning_rate`` is a number or a schedule, as in optax: a function of the step count
+(an ``optax.Schedule``) that every fused update evaluates at the tables' ``step`` (the
+updates applied so far, FBGEMM's ``iter``) inside the jitted step, so the rate moves
+with no recompilation::
+
+    config = RowWiseAdagrad(learning_rate=optax.cosine_decay_schedule(0.05, 10_000))
 
 FBGEMM's defaults (``SplitTableBatchedEmbeddingBagsCodegen``) are kept.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import ClassVar, NamedTuple
 
 import jax
@@ -52,8 +54,23 @@ class OptimizerHyperparams(NamedTuple):
     max_norm: jax.Array
 
 
+def has_schedule(config) -> bool:
+    """Whether ``config.learning_rate`` is a schedule (a function of the step count)."""
+    return callable(getattr(config, "learning_rate", None))
+
+
+def scheduled(config, hparams: OptimizerHyperparams, step) -> OptimizerHyperparams:
+    """``hparams`` with the learning rate of ``config``'s schedule at ``step`` (the fused
+    updates applied so far); ``hparams`` unchanged when the rate is a number."""
+    if not has_schedule(config):
+        return hparams
+    return hparams._replace(learning_rate=jnp.asarray(config.learning_rate(step), jnp.float32))
+
+
 def set_learning_rate(hparams: OptimizerHyperparams, learning_rate) -> OptimizerHyperparams:
-    """``hparams`` with a new learning rate (a float or a traced scalar; no recompile)."""
+    """``hparams`` with a new learning rate (a float or a traced scalar; no recompile).
+
+    A config whose ``learning_rate`` is a schedule overrides it at every update."""
     if not isinstance(hparams, OptimizerHyperparams):
         raise TypeError(f"hparams must be an OptimizerHyperparams (config.hyperparams()), "
                         f"got {type(hparams).__name__}")
@@ -70,13 +87,17 @@ class OptimizerConfig:
     """The optimizer's state NamedTuple (``jaxrec.optim._state``)."""
 
     def hyperparams(self) -> OptimizerHyperparams:
-        """The config's numbers as traced float32 scalars (0 for fields it does not have)."""
-        return OptimizerHyperparams(*(jnp.asarray(getattr(self, name, 0.0), jnp.float32)
-                                      for name in OptimizerHyperparams._fields))
+        """The config's numbers as traced float32 scalars (0 for fields it does not have;
+        a schedule's rate at step 0)."""
+        return scheduled(self, OptimizerHyperparams(
+            *(jnp.asarray(0.0 if has_schedule(self) and name == "learning_rate" else getattr(self, name, 0.0),
+                          jnp.float32) for name in OptimizerHyperparams._fields)), 0)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
+            if f.name == "learning_rate" and callable(value):
+                continue  # a schedule: evaluated at each update (module doc)
             if f.name in OptimizerHyperparams._fields:
                 object.__setattr__(self, f.name, _as_float(type(self).__name__, f.name, value))
         if hasattr(self, "state_dtype"):
@@ -90,7 +111,7 @@ class OptimizerConfig:
                                 ("beta1", 0, 1), ("beta2", 0, 1), ("momentum", 0, math.inf),
                                 ("eta", 0, math.inf)):
             value = getattr(self, name, None)
-            if value is not None and not low <= value < high:
+            if value is not None and not callable(value) and not low <= value < high:
                 raise ValueError(f"{type(self).__name__}.{name} must be in [{low}, {high}), "
                                  f"got {value}")
         if not isinstance(getattr(self, "seed", 0), int) or not 0 <= getattr(self, "seed", 0) < 2**32:
@@ -103,9 +124,10 @@ class OptimizerConfig:
 def _as_float(cls: str, name: str, value) -> float:
     try:
         value = float(value)
-    except (TypeError, jax.errors.ConcretizationTypeError):
-        raise TypeError(f"{cls}.{name} must be a Python number (the default); pass traced "
-                        f"values through config.hyperparams() / set_learning_rate(), got "
+    except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
+        raise TypeError(f"{cls}.{name} must be a Python number (the default"
+                        f"{'' if name != 'learning_rate' else ') or a schedule (a function of the step'}); "
+                        f"pass traced values through config.hyperparams() / set_learning_rate(), got "
                         f"{type(value).__name__}") from None
     if not np.isfinite(value):
         raise ValueError(f"{cls}.{name} must be finite, got {value}")
@@ -114,8 +136,9 @@ def _as_float(cls: str, name: str, value) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _Common(OptimizerConfig):
-    learning_rate: float = 0.01
-    """Step size (FBGEMM's default 0.01)."""
+    learning_rate: float | Callable[[jax.Array], jax.Array] = 0.01
+    """Step size (FBGEMM's default 0.01), or a schedule: a function of the step count such
+    as an ``optax.Schedule``, evaluated at every update (module doc)."""
     gradient_clipping: bool = False
     """FBGEMM's gradient clipping (static): clamp each element of the lookup's output
     gradient to ``[-max_gradient, max_gradient]`` before the backward, so the rows'

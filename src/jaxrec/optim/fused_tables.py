@@ -87,6 +87,10 @@ class FusedEmbeddingTables:
 
     def set_learning_rate(self, learning_rate) -> FusedEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine: no recompile)."""
+        if C.has_schedule(self.config):
+            raise ValueError(f"the learning rate of tables {self.name!r} follows the schedule of its "
+                             "config (learning_rate=<schedule>); set_learning_rate would be overridden "
+                             "at the next update. Give the config a number to set the rate by hand")
         return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
 
     def after_fused_update(self, updated: FusedEmbeddingTables,

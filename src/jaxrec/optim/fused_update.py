@@ -113,6 +113,7 @@ def _fused_update(weights, state, grad_output, indices, offsets, *, layout, conf
     op, hparams, grad_output, indices, offsets, per_sample_weights = _validate(
         weights, state, grad_output, indices, offsets, layout, config, hparams, pooling,
         per_sample_weights, backend)
+    hparams = C.scheduled(config, hparams, state.step)
     if as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE:
         indices, offsets, _ = bounds_check_indices(
             layout.feature_rows, indices, offsets, bounds_check_mode,

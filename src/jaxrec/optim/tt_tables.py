@@ -182,6 +182,10 @@ class TTEmbeddingTables:
 
     def set_learning_rate(self, learning_rate) -> TTEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine)."""
+        if C.has_schedule(self.config):
+            raise ValueError(f"the learning rate of tables {self.name!r} follows the schedule of its "
+                             "config (learning_rate=<schedule>); set_learning_rate would be overridden "
+                             "at the next update. Give the config a number to set the rate by hand")
         return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
 
     def after_fused_update(self, updated: TTEmbeddingTables,
@@ -262,6 +266,7 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
     def backward(residuals, grad_output):
         tables, psw, indices, offsets, (bag, valid, tt_weights, hit, location) = residuals
         _record_update(name)
+        tables = dataclasses.replace(tables, hparams=C.scheduled(config, tables.hparams, tables.step))
         gate = _step_guard.table_gate(name, grad_output)  # on the raw gradient: clip hides Inf
         grad_output = clip_output_gradient(config, tables.hparams, grad_output)
         grad_cores, grad_psw = tt_gradients(tt_spec, grad_output, tables.cores, tt_weights,
