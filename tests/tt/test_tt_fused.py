@@ -513,3 +513,29 @@ def test_kernel_fused_steps_match_reference(cuda, name, pooling, weighted, cache
         np.testing.assert_allclose(cache_k.rows, cache_r.rows, rtol=0,
                                    atol=KERNEL_RTOL * float(np.abs(cache_r.rows).max()))
 
+
+
+def test_a_scheduled_rate_trains_the_cores_as_optax_sgd_with_the_schedule():
+    """TT tables read ``learning_rate=<schedule>`` at their step, as optax.sgd(schedule) does."""
+    schedule = optax.linear_schedule(init_value=2 * LR, end_value=LR / 4, transition_steps=3)
+    rng = np.random.default_rng(5)
+    cores = random_cores(rng, LAY)
+    params = {"w": jnp.asarray(rng.normal(size=(LAY.embedding_dim, 2)), jnp.float32)}
+    stream = batch_stream(6, 1, False, steps=4)
+    targets = [rng.normal(size=(5, 2)).astype(np.float32) for _ in stream]
+    fused_loss, plain_loss = _losses(SUM, 1)
+    dense = optax.sgd(0.0)
+    tables = optim.TTEmbeddingTables.create(LAY, optim.SGD(learning_rate=schedule), cores=cores)
+    step = optim.make_train_step(fused_loss, dense)
+    opt_state = dense.init(params)
+    core_opt = optax.sgd(schedule)
+    want_c = tuple(jnp.asarray(c) for c in cores)
+    core_state = core_opt.init(want_c)
+    for (indices, offsets, psw), target in zip(stream, targets):
+        grads = jax.grad(plain_loss, argnums=1)(params, want_c, indices, offsets, psw, target)
+        updates, core_state = core_opt.update(grads, core_state)
+        want_c = optax.apply_updates(want_c, updates)
+        params, opt_state, tables, _ = step(params, opt_state, tables, indices, offsets, psw, target)
+    for got, want, start in zip(tables.cores, want_c, cores):
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
+        assert rel_err(got, start) > 1e-3
