@@ -195,3 +195,13 @@ def test_state_access_like_fbgemm():
     assert float(tables.set_hyperparams(eps=0.5).hparams.eps) == 0.5
     with pytest.raises(ValueError, match="unknown hyperparameters"):
         tables.set_hyperparams(epsilon=1.0)
+
+
+def test_create_from_the_callers_weights_leaves_them_alive_after_a_donating_step():
+    mine = jax.random.normal(jax.random.key(4), (LAYOUT.num_weights,))
+    kept = np.asarray(jax.random.normal(jax.random.key(4), (LAYOUT.num_weights,)))  # no view of mine
+    tables = optim.FusedEmbeddingTables.create(LAYOUT, make(optim.SGD, learning_rate=0.1), weights=mine)
+    params, dense = dense_params(), optax.sgd(0.0)
+    step = optim.make_train_step(loss_fn, dense)
+    step(params, dense.init(params), tables, *batch(0))
+    np.testing.assert_array_equal(np.asarray(mine), kept)  # reading a donated array would raise

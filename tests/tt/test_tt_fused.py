@@ -539,3 +539,18 @@ def test_a_scheduled_rate_trains_the_cores_as_optax_sgd_with_the_schedule():
     for got, want, start in zip(tables.cores, want_c, cores):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * float(np.abs(want).max()))
         assert rel_err(got, start) > 1e-3
+
+
+def test_create_from_the_callers_cores_leaves_them_alive_after_a_donating_step():
+    rng = np.random.default_rng(9)
+    kept = random_cores(rng, LAY)  # host copies: no view of the device arrays below
+    mine = tuple(jnp.asarray(c) for c in kept)
+    tables = optim.TTEmbeddingTables.create(LAY, optim.SGD(learning_rate=LR), cores=mine)
+    fused_loss, _ = _losses(SUM, 1)
+    params = {"w": jnp.ones((LAY.embedding_dim, 2), jnp.float32)}
+    dense = optax.sgd(0.0)
+    step = optim.make_train_step(fused_loss, dense)
+    (indices, offsets, psw), = batch_stream(3, 1, False, steps=1)
+    step(params, dense.init(params), tables, indices, offsets, psw, np.zeros((5, 2), np.float32))
+    for c, k in zip(mine, kept):
+        np.testing.assert_array_equal(np.asarray(c), k)  # reading a donated array would raise

@@ -14,7 +14,7 @@ a table from its optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +79,69 @@ class TableCollection(nnx.Module):
             flat = var.get_value().weights if self.fused else var.get_value()
             out.update(zip((t.name for t in g.tables), g.layout.split_embedding_weights(flat)))
         return out
+
+    def split_optimizer_states(self) -> dict[str, dict[str, jax.Array]]:
+        """``{table name: {state name: [rows, dim] or [rows]}}`` of the fused optimizer (TT
+        tables, whose state lives on their cores, are left out)."""
+        if not self.fused:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has plain tables: their "
+                             "optimizer state is the optax optimizer's")
+        out = {}
+        for g, var in zip(self.groups, self.tables):
+            if not g.tt:
+                out.update(zip((t.name for t in g.tables), var.get_value().split_optimizer_states()))
+        return out
+
+    def set_embedding_weights(self, weights: Mapping[str, jax.Array]) -> None:
+        """Sets tables from ``{table name: [num_embeddings, embedding_dim]}`` arrays: the
+        inverse of ``split_embedding_weights`` (load a trained FBGEMM/TorchRec table). Tables
+        not named keep their weights; optimizer state is left as it is."""
+        self._check_names(weights, "weights", {t.name for t in self.table_configs})
+        for g, var in zip(self.groups, self.tables):
+            names = [t.name for t in g.tables]
+            if not any(n in weights for n in names):
+                continue
+            if g.tt:
+                raise ValueError(f"table {names[0]!r} is a TT table: it holds cores, not rows; "
+                                 "start it from cores with TTEmbeddingTables.create(cores=...)")
+            flat = var.get_value().weights if self.fused else var.get_value()
+            current = g.layout.split_embedding_weights(flat)
+            tables = [self._checked(t, weights[t.name]) if t.name in weights else cur
+                      for t, cur in zip(g.tables, current)]
+            if self.fused:
+                var.set_value(var.get_value().set_embedding_weights(tables))
+            else:
+                var.set_value(g.layout.merge_embedding_weights([t.astype(g.dtype) for t in tables]))
+
+    def set_optimizer_states(self, states: Mapping[str, Mapping[str, jax.Array]], *, step=None) -> None:
+        """Sets the fused optimizer's state from ``{table name: {state name: array}}``: the
+        inverse of ``split_optimizer_states``. Every table of a group must be given (they
+        share one step counter); ``step``: the updates already applied (unchanged when None)."""
+        self._check_names(states, "optimizer states", set(self.split_optimizer_states()))
+        for g, var in zip(self.groups, self.tables):
+            names = [t.name for t in g.tables]
+            given = [n for n in names if n in states]
+            if not given:
+                continue
+            if len(given) != len(names):
+                raise ValueError(f"tables {names} share one fused buffer and step: give the states of "
+                                 f"all of them, got {given}")
+            var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
+
+    def _check_names(self, given: Mapping, what: str, names: set[str]) -> None:
+        unknown = sorted(set(given) - names)
+        if unknown:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has no table {unknown} to set {what} of; "
+                             f"its tables are {sorted(names)}")
+
+    @staticmethod
+    def _checked(table: EmbeddingConfig, value) -> jax.Array:
+        value = jnp.asarray(value)
+        shape = (table.num_embeddings, table.embedding_dim)
+        if tuple(value.shape) != shape:
+            raise ValueError(f"table {table.name!r} has shape {shape} (num_embeddings, embedding_dim), "
+                             f"got an array of shape {tuple(value.shape)}")
+        return value
 
     def set_learning_rate(self, learning_rate) -> None:
         """New learning rate of the fused optimizer (traced values are fine: no recompile)."""

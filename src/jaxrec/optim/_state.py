@@ -17,6 +17,7 @@ Every state also holds ``step``: the int32 count of fused updates applied so far
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -148,6 +149,37 @@ def split_optimizer_states(config, layout: TableLayout, state) -> list[dict[str,
             piece = jax.lax.dynamic_slice_in_dim(buf, off, size)
             tables[t][name] = piece if per_row else piece.reshape(rows, dim)
     return tables
+
+
+def merge_optimizer_states(config, layout: TableLayout, tables: Sequence[Mapping[str, jax.Array]], *,
+                           step=0, dtype=None):
+    """The state from per-table ``{name: [rows, dim] or [rows]}`` arrays: the inverse of
+    ``split_optimizer_states`` (load a trained FBGEMM/TorchRec table's optimizer state).
+
+    ``step``: the fused updates already applied (FBGEMM's ``iter``); ``dtype`` overrides
+    ``config.state_dtype``.
+    """
+    _check_config(config)
+    names = buffer_fields(config.state_type)
+    if len(tables) != layout.num_tables:
+        raise ValueError(f"expected the optimizer states of {layout.num_tables} tables, got {len(tables)}")
+    dtype = jnp.dtype(getattr(config, "state_dtype", jnp.float32) if dtype is None else dtype)
+    buffers = {}
+    for name in names:
+        per_row = name in config.state_type.row_fields
+        pieces = []
+        for t, table in enumerate(tables):
+            if set(table) != set(names):
+                raise ValueError(f"table {t}: {config.state_type.__name__} has the states {list(names)}, "
+                                 f"got {sorted(table)}")
+            want = (layout.rows[t],) if per_row else (layout.rows[t], layout.dims[t])
+            value = jnp.asarray(table[name])
+            if tuple(value.shape) != want:
+                raise ValueError(f"table {t}: state {name!r} must have shape {want} "
+                                 f"({'one per row' if per_row else 'one per weight'}), got {tuple(value.shape)}")
+            pieces.append(value.reshape(-1).astype(dtype))
+        buffers[name] = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), dtype)
+    return config.state_type(step=jnp.asarray(step, jnp.int32), **buffers)
 
 
 def check_state(config, layout: TableLayout, state) -> None:

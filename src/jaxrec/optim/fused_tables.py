@@ -33,7 +33,7 @@ from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bound
 from jaxrec.ops.tbe import embedding_bag_lookup
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode, init_weights
 from jaxrec.optim import _configs as C
-from jaxrec.optim._state import init_state, split_optimizer_states
+from jaxrec.optim._state import init_state, merge_optimizer_states, split_optimizer_states
 from jaxrec.optim.fused_update import _fused_update
 
 
@@ -69,7 +69,8 @@ class FusedEmbeddingTables:
                 raise ValueError("FusedEmbeddingTables.create needs key= (to initialise the "
                                  "weights) or weights=")
             weights = init_weights(key, layout, dtype)
-        return cls(jnp.asarray(weights), init_state(config, layout), config.hyperparams(), layout,
+        # A copy: a train step donates the tables, and must not delete the caller's array.
+        return cls(jnp.array(weights, copy=True), init_state(config, layout), config.hyperparams(), layout,
                    config, name)
 
     @property
@@ -84,6 +85,22 @@ class FusedEmbeddingTables:
     def split_optimizer_states(self) -> list[dict[str, jax.Array]]:
         """Per-table views of the optimizer state (``{name: [rows, dim] or [rows]}``)."""
         return split_optimizer_states(self.config, self.layout, self.state)
+
+    def set_embedding_weights(self, tables) -> FusedEmbeddingTables:
+        """The same tables with weights from per-table ``[rows, dim]`` arrays: the inverse of
+        ``split_embedding_weights`` (a trained FBGEMM/TorchRec table, for instance)."""
+        tables = [jnp.asarray(t, self.weights.dtype) for t in tables]
+        return dataclasses.replace(self, weights=self.layout.merge_embedding_weights(tables))
+
+    def set_optimizer_states(self, states, *, step=None) -> FusedEmbeddingTables:
+        """The same tables with optimizer states from per-table ``{name: array}`` dicts: the
+        inverse of ``split_optimizer_states``. ``step``: the updates already applied
+        (unchanged when None); the buffers keep their dtype."""
+        dtypes = [getattr(self.state, name).dtype for name in self.state._fields if name != "step"]
+        state = merge_optimizer_states(self.config, self.layout, states,
+                                       step=self.step if step is None else step,
+                                       dtype=dtypes[0] if dtypes else None)
+        return dataclasses.replace(self, state=state)
 
     def set_learning_rate(self, learning_rate) -> FusedEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine: no recompile)."""

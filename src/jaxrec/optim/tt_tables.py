@@ -135,7 +135,8 @@ class TTEmbeddingTables:
                 raise ValueError("TTEmbeddingTables.create needs key= (to initialise the cores) "
                                  "or cores=")
             cores = init_tt_cores(key, layout, weight_dist)
-        cores = layout.validate_cores(jnp.asarray(c) for c in cores)
+        # Copies: a train step donates the tables, and must not delete the caller's arrays.
+        cores = layout.validate_cores(jnp.array(c, copy=True) for c in cores)
         slots = tuple(_zero_slots(config, c.shape) for c in cores)
         cache, cache_slots = None, {}
         if cache_size:
