@@ -168,7 +168,9 @@ def test_per_sample_weight_gradient_equals_autodiff(platform):
     rng = np.random.default_rng(5)
     w, s = random_inputs(rng, config, LAYOUT, PoolingMode.MEAN, True, jnp.float32)
     grad_output, indices, offsets, psw = random_step_batch(rng, LAYOUT, PoolingMode.MEAN, True)
-    _, _, got = _step(config, LAYOUT, PoolingMode.MEAN, True, "kernel")(w, s, grad_output, indices, offsets, psw)
+    step = jax.jit(functools.partial(fused_update, layout=LAYOUT, config=config, pooling="mean",
+                                     backend="kernel", return_per_sample_weights_grad=True))
+    _, _, got = step(w, s, grad_output, indices, offsets, per_sample_weights=psw)  # the public form
     want = jax.grad(lambda p: jnp.sum(grad_output * embedding_bag_lookup(
         w, indices, offsets, layout=LAYOUT, pooling="mean", per_sample_weights=p)))(jnp.asarray(psw))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -80,8 +80,9 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
                  hparams: C.OptimizerHyperparams | None = None,
                  pooling: PoolingMode | int = PoolingMode.SUM, per_sample_weights=None,
                  bounds_check_mode: BoundsCheckMode | int | str = BoundsCheckMode.WARNING,
-                 backend: str = "auto"):
-    """One optimizer step on the rows the batch touched; returns ``(weights, state)``.
+                 backend: str = "auto", return_per_sample_weights_grad: bool = False):
+    """One optimizer step on the rows the batch touched; returns ``(weights, state)``, or
+    ``(weights, state, grad_per_sample_weights)`` with ``return_per_sample_weights_grad``.
 
     Args:
       weights: the flat buffer of all tables (``init_weights``); donate it.
@@ -95,12 +96,17 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
         rate through ``set_learning_rate`` without recompiling.
       bounds_check_mode: as for the lookup, so both see the same corrected ids.
       backend: "auto", "kernel" or "reference".
+      return_per_sample_weights_grad: also return the gradient of the lookup's output
+        with respect to ``per_sample_weights`` (shape of ``indices``; 0 for padding and
+        dropped ids), computed in the same pass from the rows before their update.
     """
+    if return_per_sample_weights_grad and per_sample_weights is None:
+        raise ValueError("return_per_sample_weights_grad=True needs per_sample_weights")
     weights, state, grad_psw = _fused_update(
         weights, state, grad_output, indices, offsets, layout=layout, config=config,
         hparams=hparams, pooling=pooling, per_sample_weights=per_sample_weights,
         bounds_check_mode=bounds_check_mode, backend=backend)
-    return weights, state
+    return (weights, state, grad_psw) if return_per_sample_weights_grad else (weights, state)
 
 
 def _fused_update(weights, state, grad_output, indices, offsets, *, layout, config, hparams,
