@@ -16,6 +16,7 @@ from parallel_testing import PLANS, TABLES, plan
 
 import jaxrec.parallel as par
 from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES
+from jaxrec.nn import EmbeddingBagConfig
 from jaxrec.optim import Adam, RowWiseAdagrad
 from jaxrec.parallel import ShardingType as ST
 from jaxrec.parallel._layout import build_layout
@@ -85,6 +86,11 @@ def test_criteo_plan_fits_the_memory_and_is_balanced():
     again = par.estimate(CRITEO, par.ShardingPlan.from_json(p.to_json()), topology,
                          optimizer=RowWiseAdagrad(learning_rate=0.1))
     assert again.perf == stats.perf and again.memory == stats.memory
+    # The same configs plan() takes: EmbeddingBagConfigs give the same estimates as TableSpecs.
+    configs = [EmbeddingBagConfig(name=t.name, num_embeddings=t.rows, embedding_dim=t.dim,
+                                  feature_names=list(t.features)) for t in CRITEO]
+    from_configs = par.estimate(configs, p, topology, optimizer=RowWiseAdagrad(learning_rate=0.1))
+    assert from_configs.perf == stats.perf and from_configs.memory == stats.memory
     text = p.table()
     assert "row_wise" in text and "t_C3" in text and "slowest device" in text
     assert "(tolerance 1.10)" in text
@@ -136,7 +142,8 @@ def test_plain_small_tables_go_data_parallel_and_too_big_plans_fail_clearly():
     assert p["tiny"].sharding_type == ST.DATA_PARALLEL  # plain: all-reducing 4 rows is cheap
     assert p["big"].sharding_type != ST.DATA_PARALLEL
     with pytest.raises(par.PlannerError, match=r"no plan fits: the best one needs .* GiB per "
-                                               r"device .* add devices"):
+                                               r"device .* alone need 0.12 GiB per device\. Add devices"):
+        # 10**6 x 64 float32 = 0.24 GiB: half of it per device at best.
         par.EmbeddingShardingPlanner(par.Topology(world_size=2, hbm_cap=1 << 20)).plan(
             [par.TableSpec("huge", 10**6, 64, ("x",))])
     np.testing.assert_allclose(par.Topology(world_size=1, hbm_cap=1).send_seconds(1e9), 0.0)

@@ -40,7 +40,7 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.parallel._layout import A2A, DP, REDUCE, TableSpec, build_layout
+from jaxrec.parallel._layout import A2A, DP, REDUCE, TableSpec, build_layout, table_specs
 from jaxrec.parallel._topology import Topology
 from jaxrec.parallel._types import ShardingPlan, ShardingType
 
@@ -107,8 +107,9 @@ class PlanStats:
 def estimate(tables: Sequence[TableSpec], plan: ShardingPlan, topology: Topology, *,
              optimizer=None, pooling_factors: Mapping[str, Sequence[float]] | None = None,
              balance_tolerance: float | None = None, proposals: int = 1) -> PlanStats:
-    """Memory and step-time estimates of ``plan`` (module doc)."""
-    tables = tuple(tables)
+    """Memory and step-time estimates of ``plan`` (module doc). ``tables``: TableSpecs or
+    table configs (``EmbeddingBagConfig``), as ``EmbeddingShardingPlanner.plan`` takes them."""
+    tables = table_specs(tables)
     layout = build_layout(tables, plan)
     n, b = topology.world_size, topology.batch_size
     sb = state_bytes(optimizer)

@@ -96,14 +96,16 @@ class EmbeddingShardingPlanner:
                              f"{[t.name for t in specs]}")
         choices = {t.name: self._enumerate(t)[0] for t in specs}
         proposals = 0
+        smallest = None  # the plan that needed the least memory, for the error
         while True:  # fit
             proposals += 1
             plan, stats = self._evaluate(specs, choices, proposals)
             if stats.fits:
                 break
+            smallest = stats if smallest is None or stats.memory < smallest.memory else smallest
             bigger = self._split_for_memory(specs, choices)
             if bigger is None or proposals >= self.max_proposals:
-                raise PlannerError(self._no_fit_message(stats))
+                raise PlannerError(self._no_fit_message(smallest))
             choices = bigger
         best = (plan, stats)
         while stats.imbalance > 1 + self.balance_tolerance and proposals < self.max_proposals:
@@ -304,12 +306,19 @@ class EmbeddingShardingPlanner:
         return new
 
     def _no_fit_message(self, stats: PlanStats) -> str:
-        gb = 1 << 30
-        return (f"no plan fits: the best one needs {stats.memory / gb:.2f} GiB per device "
-                f"(weights {stats.weights / gb:.2f}, optimizer state {stats.optimizer_state / gb:.2f}, "
-                f"buffers {stats.buffers / gb:.2f}) but hbm_cap is {stats.topology.hbm_cap / gb:.2f} "
-                "GiB; add devices, allow ROW_WISE for the large tables, use a smaller batch, or "
-                "float16 / bfloat16 tables")
+        """``stats``: the plan tried that needed the least memory per device."""
+        floor = sum(stats.table_memory.values()) / stats.topology.world_size
+        return (f"no plan fits: the best one needs {_size(stats.memory)} per device "
+                f"(weights {_size(stats.weights)}, optimizer state {_size(stats.optimizer_state)}, "
+                f"buffers {_size(stats.buffers)}) but hbm_cap is {_size(stats.topology.hbm_cap)}; "
+                f"spread evenly over the {stats.topology.world_size} devices, the tables and their "
+                f"optimizer state alone need {_size(floor)} per device. Add devices, allow "
+                "ROW_WISE for the large tables, use a smaller batch, or float16 / bfloat16 tables")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in GiB, or MiB below a tenth of a GiB (so that a small cap does not read 0.00)."""
+    return f"{nbytes / (1 << 30):.2f} GiB" if nbytes >= (1 << 30) / 10 else f"{nbytes / (1 << 20):.1f} MiB"
 
 
 def _column_splits(dim: int, k: int) -> list[tuple[int, int]]:
