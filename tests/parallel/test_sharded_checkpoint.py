@@ -88,6 +88,20 @@ def test_save_on_8_devices_restore_on_4_and_2_and_back(tmp_path):
     assert_bits_equal(par.portable_state(back, back_opt), saved)
 
 
+def test_a_sharded_checkpoint_restores_into_the_unsharded_model(tmp_path):
+    model8, opt8 = model_on(8, 0, "rows")
+    par.load_portable_state(model8, randomised(par.portable_state(model8, opt8), 1), opt8)
+    saved = par.portable_state(model8, opt8)
+    checkpoint.save_checkpoint(tmp_path / "a", 1, saved)
+    single = build(OPTIMIZER)  # the same model, not sharded: one device, plain collections
+    single_opt = PartitionedOptimizer(single, optax.adam(1e-3))
+    restored, _ = checkpoint.restore_checkpoint(tmp_path / "a", par.portable_state(single, single_opt))
+    par.load_portable_state(single, restored, single_opt)
+    assert_bits_equal(par.portable_state(single, single_opt), saved)
+    for name, weights in model8.sparse_arch.split_embedding_weights().items():
+        np.testing.assert_array_equal(single.sparse_arch.split_embedding_weights()[name], weights)
+
+
 def test_stateful_optax_on_plain_sharded_tables_is_not_portable():
     model = par.shard(build(None), plan("row_wise"), mesh())
     with pytest.raises(NotImplementedError, match="not portable"):

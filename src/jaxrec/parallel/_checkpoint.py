@@ -15,8 +15,13 @@ then restores every array onto the target's shardings, on any number of devices,
     state, meta = restore_checkpoint(ckpt_dir, target)
     load_portable_state(model4, state, optimizer4)
 
-Restoring is bit-exact. Plain sharded tables trained by an optax optimizer with state
-(Adagrad, Adam, ...) are not portable: their optax state mirrors the plan's buffers.
+Restoring is bit-exact. The target may also be the same model *unsharded* (its
+collections plain ``EmbeddingBagCollection`` s, on one device): the tables then load
+through ``set_embedding_weights`` / ``set_optimizer_states``. Plain sharded tables trained
+by an optax optimizer with state (Adagrad, Adam, ...) are not portable: their optax state
+mirrors the plan's buffers. A collection's portable form is its tables only: the
+``dropped_ids`` count of a sharded collection is a statistic of the run and is not
+carried over.
 """
 
 from __future__ import annotations
@@ -25,13 +30,42 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxrec.nn import PartitionedOptimizer
+from jaxrec.nn import EmbeddingBagCollection, PartitionedOptimizer
 from jaxrec.parallel._sharded_ebc import ShardedEmbeddingBagCollection
 
 
-def _sharded(model) -> list[tuple[tuple, ShardedEmbeddingBagCollection]]:
+def _collections(model) -> list[tuple[tuple, ShardedEmbeddingBagCollection | EmbeddingBagCollection]]:
     return [(path, m) for path, m in nnx.iter_modules(model)
-            if isinstance(m, ShardedEmbeddingBagCollection)]
+            if isinstance(m, ShardedEmbeddingBagCollection | EmbeddingBagCollection)]
+
+
+def _portable_tables(module) -> dict[str, dict[str, jax.Array]]:
+    """``ShardedEmbeddingBagCollection.portable_tables``, also for an unsharded collection."""
+    if isinstance(module, ShardedEmbeddingBagCollection):
+        return module.portable_tables()
+    if any(g.tt for g in module.groups):
+        raise NotImplementedError(f"collection {module.name!r} has TT tables, which have no portable form")
+    out = {name: {"weights": w} for name, w in module.split_embedding_weights().items()}
+    if module.fused:
+        for name, states in module.split_optimizer_states().items():
+            out[name].update(states)
+        for g, var in zip(module.groups, module.tables):
+            for t in g.tables:
+                out[t.name]["step"] = var.get_value().step
+    return out
+
+
+def _load_portable_tables(module, portable) -> None:
+    if isinstance(module, ShardedEmbeddingBagCollection):
+        module.load_portable_tables(portable)
+        return
+    module.set_embedding_weights({name: t["weights"] for name, t in portable.items()})
+    if module.fused:
+        for g in module.groups:  # one step counter per group
+            names = [t.name for t in g.tables]
+            module.set_optimizer_states(
+                {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step")} for n in names},
+                step=portable[names[0]]["step"])
 
 
 def _node(tree: dict, path: tuple) -> dict:
@@ -45,8 +79,10 @@ def portable_state(model: nnx.Module, optimizer: PartitionedOptimizer | None = N
     that does not depend on the plan (module doc). Save it with ``save_checkpoint``; use the
     same call on the target model as the restore target."""
     pure = nnx.to_pure_dict(nnx.state(model))
-    for path, module in _sharded(model):
-        _node(pure, path)["tables"] = module.portable_tables()
+    for path, module in _collections(model):
+        node = _node(pure, path)
+        node.clear()  # run statistics of a sharded collection (dropped_ids) are not carried
+        node["tables"] = _portable_tables(module)
     out = {"model": pure}
     if optimizer is not None:
         sharded = [x for x in jax.tree.leaves(optimizer.opt_state)
@@ -66,8 +102,8 @@ def load_portable_state(model: nnx.Module, state: dict,
     into ``model`` (and ``optimizer``), packing the tables for the model's plan."""
     pure = dict(state["model"])
     rest = jax.tree.map(lambda x: x, pure)  # a copy whose tables entries we may drop
-    for path, module in _sharded(model):
-        module.load_portable_tables(_node(pure, path)["tables"])
+    for path, module in _collections(model):
+        _load_portable_tables(module, _node(pure, path)["tables"])
         del _node(rest, path)["tables"]
     current = nnx.state(model)
     nnx.replace_by_pure_dict(current, rest)
