@@ -17,8 +17,8 @@ Linen users: wrap a module with ``flax.nnx.bridge.to_linen`` (docs/nn.md).
 from jaxrec.nn._configs import EmbeddingBagConfig, EmbeddingConfig, TTConfig
 from jaxrec.nn._embedding_bag_collection import EmbeddingBagCollection
 from jaxrec.nn._embedding_collection import EmbeddingCollection
+from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._layers import MLP, LowRankCrossNet
-from jaxrec.nn._tables import FusedTables
 from jaxrec.nn._train import PartitionedOptimizer, TrainStep, make_train_step
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 

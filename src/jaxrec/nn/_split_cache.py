@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxrec.nn._tables import FusedTables
+from jaxrec.nn._fused_variable import FusedTables
 
 
 class Split(NamedTuple):

@@ -21,14 +21,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
+from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
+from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
 from jaxrec.optim import FusedEmbeddingTables, OptimizerConfig, fused_lookup, init_state
 from jaxrec.sparse import KeyedJaggedTensor
-
-
-class FusedTables(nnx.Variable):
-    """A ``FusedEmbeddingTables``: tables and optimizer slots updated by the fused backward."""
 
 
 class TableCollection(nnx.Module):
@@ -197,8 +195,6 @@ class TableCollection(nnx.Module):
 
 def _tt_module(config, optimizer, name: str, keys):
     """The ``TTEmbeddingBag`` of a TT table of a collection."""
-    from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag  # it imports FusedTables from here
-
     tt = config.tt
     if optimizer is not None and tt.optimizer is not None:
         optimizer = tt.optimizer

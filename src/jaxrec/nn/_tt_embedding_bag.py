@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxrec.nn._tables import FusedTables
+from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.ops import BoundsCheckMode, PoolingMode, TTLayout, init_tt_cores, tt_embedding_bag
 from jaxrec.ops.tbe_layout import as_pooling_mode
 from jaxrec.ops.tt_reference import tt_full_weight

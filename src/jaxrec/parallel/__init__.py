@@ -17,8 +17,8 @@ The planner and the types never import Flax; the sharded module is Flax NNX like
 """
 
 from jaxrec.parallel._estimator import PlanStats, estimate
-from jaxrec.parallel._layout import TableSpec
 from jaxrec.parallel._planner import EmbeddingShardingPlanner, PlannerError
+from jaxrec.parallel._table_spec import TableSpec
 from jaxrec.parallel._topology import ParameterConstraints, Topology
 from jaxrec.parallel._types import (
     ParameterSharding,

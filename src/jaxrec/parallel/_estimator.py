@@ -40,7 +40,8 @@ from collections.abc import Mapping, Sequence
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec.parallel._layout import A2A, DP, REDUCE, TableSpec, build_layout, table_specs
+from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout
+from jaxrec.parallel._table_spec import TableSpec, table_specs
 from jaxrec.parallel._topology import Topology
 from jaxrec.parallel._types import ShardingPlan, ShardingType
 

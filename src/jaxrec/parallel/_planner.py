@@ -34,7 +34,7 @@ from jaxrec.parallel._estimator import (
     shard_bytes,
     state_bytes,
 )
-from jaxrec.parallel._layout import TableSpec, table_specs
+from jaxrec.parallel._table_spec import TableSpec, table_specs
 from jaxrec.parallel._topology import ParameterConstraints, Topology
 from jaxrec.parallel._types import (
     ParameterSharding,

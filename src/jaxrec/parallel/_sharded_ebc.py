@@ -41,8 +41,9 @@ from jaxrec.ops.bounds_check import as_bounds_check_mode
 from jaxrec.optim import SGD, Adagrad, Adam, FusedEmbeddingTables, OptimizerConfig
 from jaxrec.optim._state import buffer_fields
 from jaxrec.parallel import _dist, _row_return
-from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout, table_specs
+from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout
 from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
+from jaxrec.parallel._table_spec import table_specs
 from jaxrec.parallel._types import ShardingPlan, ShardingType
 from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 

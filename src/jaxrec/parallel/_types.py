@@ -24,6 +24,8 @@ import pathlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+from jaxrec.parallel._table_spec import table_specs
+
 _FORMAT = "jaxrec.parallel.ShardingPlan/1"
 
 
@@ -300,8 +302,6 @@ def construct_plan(tables, per_table: Mapping[str, ShardingGenerator], world_siz
     ``tables``: the collection's ``EmbeddingBagConfig`` s (or ``TableSpec`` s); every table
     needs a generator.
     """
-    from jaxrec.parallel._layout import table_specs  # _layout builds on this module
-
     local = world_size if local_world_size is None else local_world_size
     by_name = {t.name: t for t in table_specs(tables)}
     missing = sorted(set(by_name) - set(per_table))
