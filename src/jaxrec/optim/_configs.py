@@ -125,10 +125,10 @@ def _as_float(cls: str, name: str, value) -> float:
     try:
         value = float(value)
     except (TypeError, ValueError, jax.errors.ConcretizationTypeError):
-        raise TypeError(f"{cls}.{name} must be a Python number (the default"
-                        f"{'' if name != 'learning_rate' else ') or a schedule (a function of the step'}); "
-                        f"pass traced values through config.hyperparams() / set_learning_rate(), got "
-                        f"{type(value).__name__}") from None
+        what = ("a Python number or a schedule (a function of the step)" if name == "learning_rate"
+                else "a Python number (the default)")
+        raise TypeError(f"{cls}.{name} must be {what}; pass traced values through "
+                        f"config.hyperparams() / set_learning_rate(), got {type(value).__name__}") from None
     if not np.isfinite(value):
         raise ValueError(f"{cls}.{name} must be finite, got {value}")
     return value
