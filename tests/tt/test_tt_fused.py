@@ -531,8 +531,9 @@ def test_a_scheduled_rate_trains_the_cores_as_optax_sgd_with_the_schedule():
     core_opt = optax.sgd(schedule)
     want_c = tuple(jnp.asarray(c) for c in cores)
     core_state = core_opt.init(want_c)
+    core_grads = jax.jit(jax.grad(plain_loss, argnums=1))
     for (indices, offsets, psw), target in zip(stream, targets):
-        grads = jax.grad(plain_loss, argnums=1)(params, want_c, indices, offsets, psw, target)
+        grads = core_grads(params, want_c, indices, offsets, psw, target)
         updates, core_state = core_opt.update(grads, core_state)
         want_c = optax.apply_updates(want_c, updates)
         params, opt_state, tables, _ = step(params, opt_state, tables, indices, offsets, psw, target)
