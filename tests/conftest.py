@@ -3,6 +3,9 @@
 * Eight virtual CPU devices (sharding tests need a mesh) and strict dtype promotion.
 * ``@pytest.mark.gpu`` tests run only where JAX sees a CUDA GPU and jaxrec's CUDA
   library was built; elsewhere they are skipped, with the reason.
+* One persistent compilation cache for the session, shared by the pytest-xdist workers:
+  the tests build the same small programs again and again (every train run, resumed
+  runs too, makes its own jitted step), and a repeat compile becomes a load.
 """
 
 import os
@@ -13,6 +16,15 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _compilation_cache(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # xdist: popen-gwN/..
+    jax.config.update("jax_compilation_cache_dir", str(shared / "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def cuda_available() -> bool:
