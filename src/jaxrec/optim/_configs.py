@@ -67,6 +67,17 @@ def scheduled(config, hparams: OptimizerHyperparams, step) -> OptimizerHyperpara
     return hparams._replace(learning_rate=jnp.asarray(config.learning_rate(step), jnp.float32))
 
 
+def set_tables_learning_rate(config, hparams: OptimizerHyperparams, learning_rate,
+                             name: str) -> OptimizerHyperparams:
+    """``set_learning_rate`` for the tables ``name`` trained by ``config``: refused when the
+    config's rate is a schedule, which would override it at the next update."""
+    if has_schedule(config):
+        raise ValueError(f"the learning rate of tables {name!r} follows the schedule of its "
+                         "config (learning_rate=<schedule>); set_learning_rate would be overridden "
+                         "at the next update. Give the config a number to set the rate by hand")
+    return set_learning_rate(hparams, learning_rate)
+
+
 def set_learning_rate(hparams: OptimizerHyperparams, learning_rate) -> OptimizerHyperparams:
     """``hparams`` with a new learning rate (a float or a traced scalar; no recompile).
 

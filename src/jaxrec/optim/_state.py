@@ -163,15 +163,16 @@ def merge_optimizer_states(config, layout: TableLayout, tables: Sequence[Mapping
     names = buffer_fields(config.state_type)
     if len(tables) != layout.num_tables:
         raise ValueError(f"expected the optimizer states of {layout.num_tables} tables, got {len(tables)}")
+    for t, table in enumerate(tables):
+        if set(table) != set(names):
+            raise ValueError(f"table {t}: {config.state_type.__name__} has the states {list(names)}, "
+                             f"got {sorted(table)}")
     dtype = jnp.dtype(getattr(config, "state_dtype", jnp.float32) if dtype is None else dtype)
     buffers = {}
     for name in names:
         per_row = name in config.state_type.row_fields
         pieces = []
         for t, table in enumerate(tables):
-            if set(table) != set(names):
-                raise ValueError(f"table {t}: {config.state_type.__name__} has the states {list(names)}, "
-                                 f"got {sorted(table)}")
             want = (layout.rows[t],) if per_row else (layout.rows[t], layout.dims[t])
             value = jnp.asarray(table[name])
             if tuple(value.shape) != want:

@@ -33,7 +33,7 @@ from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bound
 from jaxrec.ops.tbe import embedding_bag_lookup
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode, init_weights
 from jaxrec.optim import _configs as C
-from jaxrec.optim._state import init_state, merge_optimizer_states, split_optimizer_states
+from jaxrec.optim._state import buffer_fields, init_state, merge_optimizer_states, split_optimizer_states
 from jaxrec.optim.fused_update import _fused_update
 
 
@@ -96,19 +96,16 @@ class FusedEmbeddingTables:
         """The same tables with optimizer states from per-table ``{name: array}`` dicts: the
         inverse of ``split_optimizer_states``. ``step``: the updates already applied
         (unchanged when None); the buffers keep their dtype."""
-        dtypes = [getattr(self.state, name).dtype for name in self.state._fields if name != "step"]
+        buffers = buffer_fields(self.config.state_type)
         state = merge_optimizer_states(self.config, self.layout, states,
                                        step=self.step if step is None else step,
-                                       dtype=dtypes[0] if dtypes else None)
+                                       dtype=getattr(self.state, buffers[0]).dtype if buffers else None)
         return dataclasses.replace(self, state=state)
 
     def set_learning_rate(self, learning_rate) -> FusedEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine: no recompile)."""
-        if C.has_schedule(self.config):
-            raise ValueError(f"the learning rate of tables {self.name!r} follows the schedule of its "
-                             "config (learning_rate=<schedule>); set_learning_rate would be overridden "
-                             "at the next update. Give the config a number to set the rate by hand")
-        return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
+        return dataclasses.replace(
+            self, hparams=C.set_tables_learning_rate(self.config, self.hparams, learning_rate, self.name))
 
     def after_fused_update(self, updated: FusedEmbeddingTables,
                            applied: jax.Array | None = None) -> FusedEmbeddingTables:

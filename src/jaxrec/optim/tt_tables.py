@@ -183,11 +183,8 @@ class TTEmbeddingTables:
 
     def set_learning_rate(self, learning_rate) -> TTEmbeddingTables:
         """The same tables with a new learning rate (a traced value is fine)."""
-        if C.has_schedule(self.config):
-            raise ValueError(f"the learning rate of tables {self.name!r} follows the schedule of its "
-                             "config (learning_rate=<schedule>); set_learning_rate would be overridden "
-                             "at the next update. Give the config a number to set the rate by hand")
-        return dataclasses.replace(self, hparams=C.set_learning_rate(self.hparams, learning_rate))
+        return dataclasses.replace(
+            self, hparams=C.set_tables_learning_rate(self.config, self.hparams, learning_rate, self.name))
 
     def after_fused_update(self, updated: TTEmbeddingTables,
                            applied: jax.Array | None = None) -> TTEmbeddingTables:
