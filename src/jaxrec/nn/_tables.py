@@ -115,7 +115,11 @@ class TableCollection(nnx.Module):
         """Sets the fused optimizer's state from ``{table name: {state name: array}}``: the
         inverse of ``split_optimizer_states``. Every table of a group must be given (they
         share one step counter); ``step``: the updates already applied (unchanged when None)."""
-        self._check_names(states, "optimizer states", set(self.split_optimizer_states()))
+        if not self.fused:
+            raise ValueError(f"{type(self).__name__} {self.name!r} has plain tables: their "
+                             "optimizer state is the optax optimizer's")
+        self._check_names(states, "optimizer states",
+                          {t.name for g in self.groups if not g.tt for t in g.tables})
         for g, var in zip(self.groups, self.tables):
             names = [t.name for t in g.tables]
             given = [n for n in names if n in states]
@@ -125,6 +129,31 @@ class TableCollection(nnx.Module):
                 raise ValueError(f"tables {names} share one fused buffer and step: give the states of "
                                  f"all of them, got {given}")
             var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
+
+    def portable_tables(self) -> dict[str, dict[str, jax.Array]]:
+        """Each table's weights, fused optimizer state and step: the plan-free form of
+        ``ShardedEmbeddingBagCollection.portable_tables``, so that a sharded model's
+        checkpoint restores into this collection (``jaxrec.parallel.load_portable_state``)."""
+        if any(g.tt for g in self.groups):
+            raise NotImplementedError(f"collection {self.name!r} has TT tables, which have no portable form")
+        out = {name: {"weights": w} for name, w in self.split_embedding_weights().items()}
+        if self.fused:
+            for name, states in self.split_optimizer_states().items():
+                out[name].update(states)
+            for g, var in zip(self.groups, self.tables):
+                for t in g.tables:
+                    out[t.name]["step"] = var.get_value().step
+        return out
+
+    def load_portable_tables(self, portable: Mapping[str, Mapping[str, jax.Array]]) -> None:
+        """Sets the tables (and fused optimizer state) from ``portable_tables``' form."""
+        self.set_embedding_weights({name: t["weights"] for name, t in portable.items()})
+        if self.fused:
+            for g in self.groups:  # one step counter per group
+                names = [t.name for t in g.tables]
+                self.set_optimizer_states(
+                    {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step")} for n in names},
+                    step=portable[names[0]]["step"])
 
     def _check_names(self, given: Mapping, what: str, names: set[str]) -> None:
         unknown = sorted(set(given) - names)

@@ -16,8 +16,8 @@ then restores every array onto the target's shardings, on any number of devices,
     load_portable_state(model4, state, optimizer4)
 
 Restoring is bit-exact. The target may also be the same model *unsharded* (its
-collections plain ``EmbeddingBagCollection`` s, on one device): the tables then load
-through ``set_embedding_weights`` / ``set_optimizer_states``. Plain sharded tables trained
+collections plain ``EmbeddingBagCollection`` s, on one device), whose
+``portable_tables`` / ``load_portable_tables`` have the same form. Plain sharded tables trained
 by an optax optimizer with state (Adagrad, Adam, ...) are not portable: their optax state
 mirrors the plan's buffers. A collection's portable form is its tables only: the
 ``dropped_ids`` count of a sharded collection is a statistic of the run and is not
@@ -39,35 +39,6 @@ def _collections(model) -> list[tuple[tuple, ShardedEmbeddingBagCollection | Emb
             if isinstance(m, ShardedEmbeddingBagCollection | EmbeddingBagCollection)]
 
 
-def _portable_tables(module) -> dict[str, dict[str, jax.Array]]:
-    """``ShardedEmbeddingBagCollection.portable_tables``, also for an unsharded collection."""
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        return module.portable_tables()
-    if any(g.tt for g in module.groups):
-        raise NotImplementedError(f"collection {module.name!r} has TT tables, which have no portable form")
-    out = {name: {"weights": w} for name, w in module.split_embedding_weights().items()}
-    if module.fused:
-        for name, states in module.split_optimizer_states().items():
-            out[name].update(states)
-        for g, var in zip(module.groups, module.tables):
-            for t in g.tables:
-                out[t.name]["step"] = var.get_value().step
-    return out
-
-
-def _load_portable_tables(module, portable) -> None:
-    if isinstance(module, ShardedEmbeddingBagCollection):
-        module.load_portable_tables(portable)
-        return
-    module.set_embedding_weights({name: t["weights"] for name, t in portable.items()})
-    if module.fused:
-        for g in module.groups:  # one step counter per group
-            names = [t.name for t in g.tables]
-            module.set_optimizer_states(
-                {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step")} for n in names},
-                step=portable[names[0]]["step"])
-
-
 def _node(tree: dict, path: tuple) -> dict:
     for key in path:
         tree = tree[key]
@@ -82,7 +53,7 @@ def portable_state(model: nnx.Module, optimizer: PartitionedOptimizer | None = N
     for path, module in _collections(model):
         node = _node(pure, path)
         node.clear()  # run statistics of a sharded collection (dropped_ids) are not carried
-        node["tables"] = _portable_tables(module)
+        node["tables"] = module.portable_tables()
     out = {"model": pure}
     if optimizer is not None:
         sharded = [x for x in jax.tree.leaves(optimizer.opt_state)
@@ -103,7 +74,7 @@ def load_portable_state(model: nnx.Module, state: dict,
     pure = dict(state["model"])
     rest = jax.tree.map(lambda x: x, pure)  # a copy whose tables entries we may drop
     for path, module in _collections(model):
-        _load_portable_tables(module, _node(pure, path)["tables"])
+        module.load_portable_tables(_node(pure, path)["tables"])
         del _node(rest, path)["tables"]
     current = nnx.state(model)
     nnx.replace_by_pure_dict(current, rest)
