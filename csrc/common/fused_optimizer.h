@@ -14,6 +14,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "common/ffi_util.h"
 
@@ -55,6 +57,32 @@ JAXREC_HOST_DEVICE constexpr bool State1PerRow(OptimizerKind k) {
 }
 JAXREC_HOST_DEVICE constexpr bool State2PerRow(OptimizerKind k) {
   return k == OptimizerKind::kPartialRowWiseAdam || k == OptimizerKind::kPartialRowWiseLamb;
+}
+
+// Calls fn(std::integral_constant<OptimizerKind, kind>{}) for the `optimizer` attribute
+// (the handlers validate it first: common/tbe_validate.h).
+template <typename Fn>
+ffi::Error DispatchOptimizer(int32_t optimizer, Fn&& fn) {
+  using K = OptimizerKind;
+  switch (static_cast<K>(optimizer)) {
+    case K::kSgd:
+      return fn(std::integral_constant<K, K::kSgd>{});
+    case K::kAdagrad:
+      return fn(std::integral_constant<K, K::kAdagrad>{});
+    case K::kRowWiseAdagrad:
+      return fn(std::integral_constant<K, K::kRowWiseAdagrad>{});
+    case K::kAdam:
+      return fn(std::integral_constant<K, K::kAdam>{});
+    case K::kPartialRowWiseAdam:
+      return fn(std::integral_constant<K, K::kPartialRowWiseAdam>{});
+    case K::kLamb:
+      return fn(std::integral_constant<K, K::kLamb>{});
+    case K::kPartialRowWiseLamb:
+      return fn(std::integral_constant<K, K::kPartialRowWiseLamb>{});
+    case K::kLarsSgd:
+      return fn(std::integral_constant<K, K::kLarsSgd>{});
+  }
+  return ffi::Error::InvalidArgument("optimizer must be in [0, 7], got " + std::to_string(optimizer));
 }
 
 struct RowUpdateArgs {

@@ -22,12 +22,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "common/ffi_util.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 #include "cpu/tbe_cpu_util.h"
 
 namespace jaxrec {
@@ -217,31 +219,26 @@ void Backward(ffi::ThreadPool& pool, const BackwardArgs<I>& a, int64_t num_weigh
   });
 }
 
+constexpr std::string_view kOp = "jaxrec_tbe_backward";
+
 ffi::Error TbeBackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
                           ffi::AnyBuffer indices, ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights,
                           ffi::AnyBuffer layout, ffi::Result<ffi::AnyBuffer> grad_weights,
                           ffi::Result<ffi::AnyBuffer> grad_per_sample_weights, int32_t pooling) {
+  TbeProblem problem;
+  if (ffi::Error error = ValidateBackward(kOp, grad_output, weights, indices, offsets, per_sample_weights,
+                                          layout, *grad_weights, *grad_per_sample_weights, pooling, &problem);
+      error.failure()) {
+    return error;
+  }
   return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
     using I = decltype(index_zero);
-    TbeProblem problem;
-    if (ffi::Error error =
-            ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout, pooling, &problem);
-        error.failure()) {
+    if (ffi::Error error = ValidateContents<I>(kOp, weights, offsets, &problem); error.failure()) {
       return error;
     }
-    if (ffi::Error error = CheckShape("grad_output", grad_output.dimensions(), problem.out_dims);
+    if (ffi::Error error = CheckShape(kOp, "grad_output", grad_output.dimensions(), problem.out_dims);
         error.failure()) {
       return error;
-    }
-    if (grad_weights->element_type() != ffi::DataType::F32 ||
-        grad_weights->element_count() != weights.element_count()) {
-      return Invalid("grad_weights must be float32 with one element per weight (" +
-                     std::to_string(weights.element_count()) + ")");
-    }
-    if (grad_per_sample_weights->element_type() != ffi::DataType::F32 ||
-        grad_per_sample_weights->element_count() != per_sample_weights.element_count()) {
-      return Invalid("grad_per_sample_weights must be float32 like per_sample_weights (" +
-                     std::to_string(per_sample_weights.element_count()) + " elements)");
     }
     const BackwardArgs<I> args{grad_output.untyped_data(),
                                weights.untyped_data(),
@@ -254,9 +251,9 @@ ffi::Error TbeBackwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi:
                                problem.pooling,
                                grad_weights->typed_data<float>(),
                                problem.weighted ? grad_per_sample_weights->typed_data<float>() : nullptr};
-    return DispatchFloatType(grad_output.element_type(), "grad_output", [&](auto grad_zero) {
+    return DispatchFloatType<Half, BFloat16>(grad_output.element_type(), "grad_output", [&](auto grad_zero) {
       using G = decltype(grad_zero);
-      return DispatchFloatType(weights.element_type(), "weights", [&](auto weight_zero) {
+      return DispatchFloatType<Half, BFloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
         using W = decltype(weight_zero);
         Backward<G, W, I>(pool, args, weights.element_count(), problem.num_indices, problem.max_dim);
         return ffi::Error::Success();

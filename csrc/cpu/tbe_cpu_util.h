@@ -1,6 +1,7 @@
-// Helpers of the CPU TBE handlers (tbe_forward.cc, tbe_backward.cc): 16-bit float
-// conversions, dtype dispatch, a deterministic parallel-for over XLA's intra-op
-// thread pool, runtime ISA dispatch, and the validation both handlers share.
+// Helpers of the CPU TBE handlers (tbe_forward.cc, tbe_backward.cc, tbe_fused_update.cc):
+// 16-bit float types and conversions, a deterministic parallel-for over XLA's intra-op
+// thread pool, runtime ISA dispatch, and the checks of the operands' values that only
+// the CPU makes (the shared ones are common/tbe_validate.h).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +17,7 @@
 
 #include "common/ffi_util.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 
 #define JAXREC_ALWAYS_INLINE inline __attribute__((always_inline))
 
@@ -24,6 +26,7 @@ namespace cpu {
 
 // --- 16-bit floats ----------------------------------------------------------------
 // Storage types with the bits of an IEEE half / a bfloat16; arithmetic is float32.
+// The dtype dispatch is DispatchFloatType<Half, BFloat16> (common/ffi_util.h).
 struct Half {
   uint16_t bits;
 };
@@ -86,23 +89,6 @@ JAXREC_ALWAYS_INLINE Half FromFloat<Half>(float x) {
     out = bits >> 13;
   }
   return {static_cast<uint16_t>(out | (sign >> 16))};
-}
-
-// Calls fn(T{}) with T = float, Half or BFloat16 for F32, F16, BF16.
-template <typename Fn>
-ffi::Error DispatchFloatType(ffi::DataType dtype, std::string_view argument, Fn&& fn) {
-  switch (dtype) {
-    case ffi::DataType::F32:
-      return fn(float{});
-    case ffi::DataType::F16:
-      return fn(Half{});
-    case ffi::DataType::BF16:
-      return fn(BFloat16{});
-    default:
-      return ffi::Error::InvalidArgument(std::string(argument) +
-                                         " must be float32, float16 or bfloat16, got XLA element type " +
-                                         std::to_string(static_cast<int>(dtype)));
-  }
 }
 
 // --- ISA dispatch -------------------------------------------------------------------
@@ -181,101 +167,43 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t num_items, const Fn& fn) {
   state->all_done.wait(lock, [&] { return state->done.load(std::memory_order_acquire) == num_items; });
 }
 
-// --- validation shared by the forward and backward handlers ----------------------------
-struct TbeProblem {
-  TbeLayout layout;
-  PoolingMode pooling;
-  int64_t batch_size;   // B
-  int64_t num_indices;  // N
-  int64_t total_dim;    // output_offsets[T]
+// --- what only the CPU validates -------------------------------------------------------
+// The shared validation (common/tbe_validate.h) checked the operands' dtypes and sizes;
+// on the CPU the layout and the offsets are in host memory, so their values are checked too.
+struct TbeProblem : TbeBatch {
+  int64_t total_dim;  // output_offsets[T]
   int64_t max_dim;
-  bool weighted;
   std::vector<int64_t> out_dims;  // shape of the forward output
 };
 
-inline ffi::Error Invalid(std::string message) {
-  return ffi::Error::InvalidArgument("jaxrec_tbe: " + message);
-}
-
-inline std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
-  std::string s = "[";
-  for (size_t i = 0; i < dims.size(); ++i) s += (i ? ", " : "") + std::to_string(dims[i]);
-  return s + "]";
-}
-
-// Checks what the kernels must not trust: dtypes, ranks and sizes of the operands,
-// the layout (each feature's table inside `weights`, output columns, distinct tables
-// not overlapping) and the offsets (non-decreasing, inside [0, N]; the wrappers clamp
-// them first, so this only stops a direct call). Ids are not checked here: the kernels
-// skip each id outside its feature's table (RowInRange).
+// Checks what the kernels must not trust in the values of the layout (each feature's
+// table inside `weights`, output columns, distinct tables not overlapping) and of the
+// offsets (non-decreasing, inside [0, N]; the wrappers clamp them first, so this only
+// stops a direct call). `problem` holds the shared validation's TbeBatch. Ids are not
+// checked here: the kernels skip each id outside its feature's table (RowInRange).
 template <typename I>
-ffi::Error ValidateTbe(ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
-                       ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout, int32_t pooling,
-                       TbeProblem* problem) {
-  if (pooling < 0 || pooling > 2) {
-    return Invalid("pooling must be 0 (SUM), 1 (MEAN) or 2 (NONE), got " + std::to_string(pooling));
-  }
-  problem->pooling = static_cast<PoolingMode>(pooling);
-  if (weights.dimensions().size() != 1) {
-    return Invalid("weights must be 1-D (the flat buffer of all tables), got shape " +
-                   ShapeString(weights.dimensions()));
-  }
-  if (indices.dimensions().size() != 1 || offsets.dimensions().size() != 1) {
-    return Invalid("indices and offsets must be 1-D, got shapes " + ShapeString(indices.dimensions()) +
-                   " and " + ShapeString(offsets.dimensions()));
-  }
-  if (offsets.element_type() != indices.element_type()) {
-    return Invalid("offsets must have the dtype of indices");
-  }
-  if (layout.element_type() != ffi::DataType::S32) return Invalid("layout must be int32 (packed int64)");
-  const int64_t packed = layout.element_count();
-  if (packed < PackedLayoutSize(1) || packed % 2 != 0 || (packed / 2 - 1) % 4 != 0) {
-    return Invalid("layout has " + std::to_string(packed) +
-                   " int32 entries; expected 2 * (4 * T + 1) for T >= 1 features");
-  }
-  if (reinterpret_cast<uintptr_t>(layout.untyped_data()) % alignof(int64_t) != 0) {
-    return Invalid("layout buffer is not 8-byte aligned");
-  }
-  const TbeLayout l = TbeLayout::FromPacked(layout.typed_data<int32_t>(), packed);
-  problem->layout = l;
+ffi::Error ValidateContents(std::string_view op, ffi::AnyBuffer weights, ffi::AnyBuffer offsets,
+                            TbeProblem* problem) {
+  const TbeLayout& l = problem->layout;
   const int64_t t = l.num_features;
-  const int64_t n = indices.element_count();
-  const int64_t num_offsets = offsets.element_count();
-  if (num_offsets < 1 || (num_offsets - 1) % t != 0) {
-    return Invalid("offsets has " + std::to_string(num_offsets) +
-                   " entries; expected T * B + 1 with T = " + std::to_string(t) + " features");
-  }
-  problem->batch_size = (num_offsets - 1) / t;
-  problem->num_indices = n;
-
-  if (per_sample_weights.element_type() != ffi::DataType::F32) {
-    return Invalid("per_sample_weights must be float32");
-  }
-  const int64_t num_psw = per_sample_weights.element_count();
-  if (num_psw != n && num_psw != 0) {
-    return Invalid("per_sample_weights has " + std::to_string(num_psw) +
-                   " elements; expected N = " + std::to_string(n) + " (weighted) or 0");
-  }
-  problem->weighted = num_psw == n && n > 0;
-  if (num_psw > 0 && problem->pooling == PoolingMode::kNone) {
-    return Invalid("per_sample_weights must be empty for pooling NONE");
-  }
+  const int64_t n = problem->num_indices;
 
   // Layout: tables inside weights, columns of the pooled output, no overlapping tables.
   const int64_t num_weights = weights.element_count();
-  if (l.output_offsets[0] != 0) return Invalid("layout output_offsets[0] must be 0");
+  if (l.output_offsets[0] != 0) return Invalid(op, "layout output_offsets[0] must be 0");
   int64_t max_dim = 0;
   for (int64_t f = 0; f < t; ++f) {
     const int64_t off = l.table_offsets[f], dim = l.dims[f], rows = l.rows[f];
     if (dim <= 0 || rows < 0 || off < 0 || (rows > 0 && (num_weights - off) / rows < dim)) {
-      return Invalid("layout feature " + std::to_string(f) + ": table at element " + std::to_string(off) +
-                     " with " + std::to_string(rows) + " rows of dim " + std::to_string(dim) +
-                     " does not fit in weights of " + std::to_string(num_weights) + " elements");
+      return Invalid(op, "layout feature " + std::to_string(f) + ": table at element " + std::to_string(off) +
+                             " with " + std::to_string(rows) + " rows of dim " + std::to_string(dim) +
+                             " does not fit in weights of " + std::to_string(num_weights) + " elements");
     }
     if (l.output_offsets[f + 1] - l.output_offsets[f] != dim) {
-      return Invalid("layout feature " + std::to_string(f) + ": output columns [" +
-                     std::to_string(l.output_offsets[f]) + ", " + std::to_string(l.output_offsets[f + 1]) +
-                     ") do not match its dim " + std::to_string(dim));
+      return Invalid(op, "layout feature " + std::to_string(f) + ": output columns [" +
+                             std::to_string(l.output_offsets[f]) + ", " +
+                             std::to_string(l.output_offsets[f + 1]) + ") do not match its dim " +
+                             std::to_string(dim));
     }
     max_dim = std::max(max_dim, dim);
   }
@@ -287,12 +215,12 @@ ffi::Error ValidateTbe(ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyB
     const int64_t a = order[i - 1], b = order[i];
     if (l.table_offsets[a] == l.table_offsets[b]) {
       if (l.dims[a] != l.dims[b] || l.rows[a] != l.rows[b]) {
-        return Invalid("layout features " + std::to_string(a) + " and " + std::to_string(b) +
-                       " share a table offset but not its rows and dim");
+        return Invalid(op, "layout features " + std::to_string(a) + " and " + std::to_string(b) +
+                               " share a table offset but not its rows and dim");
       }
     } else if (l.table_offsets[a] + l.rows[a] * l.dims[a] > l.table_offsets[b]) {
-      return Invalid("layout tables of features " + std::to_string(a) + " and " + std::to_string(b) +
-                     " overlap in weights");
+      return Invalid(op, "layout tables of features " + std::to_string(a) + " and " + std::to_string(b) +
+                             " overlap in weights");
     }
   }
   problem->max_dim = max_dim;
@@ -300,7 +228,7 @@ ffi::Error ValidateTbe(ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyB
 
   if (problem->pooling == PoolingMode::kNone) {
     for (int64_t f = 1; f < t; ++f) {
-      if (l.dims[f] != l.dims[0]) return Invalid("pooling NONE needs one dim for all features");
+      if (l.dims[f] != l.dims[0]) return Invalid(op, "pooling NONE needs one dim for all features");
     }
     problem->out_dims = {n, l.dims[0]};
   } else {
@@ -309,26 +237,29 @@ ffi::Error ValidateTbe(ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyB
 
   // Offsets: every bag inside [0, N] and non-decreasing (a bad offset would read out of bounds).
   const I* o = offsets.typed_data<I>();
+  const int64_t num_offsets = offsets.element_count();
   if (o[0] < 0 || o[num_offsets - 1] > n) {
-    return Invalid("offsets must lie in [0, N = " + std::to_string(n) + "]; run bounds_check_indices first");
+    return Invalid(op,
+                   "offsets must lie in [0, N = " + std::to_string(n) + "]; run bounds_check_indices first");
   }
   for (int64_t k = 0; k + 1 < num_offsets; ++k) {
     if (o[k + 1] < o[k]) {
-      return Invalid("offsets must be non-decreasing; offsets[" + std::to_string(k + 1) + "] < offsets[" +
-                     std::to_string(k) + "]; run bounds_check_indices first");
+      return Invalid(op, "offsets must be non-decreasing; offsets[" + std::to_string(k + 1) + "] < offsets[" +
+                             std::to_string(k) + "]; run bounds_check_indices first");
     }
   }
   return ffi::Error::Success();
 }
 
-inline ffi::Error CheckShape(std::string_view name, ffi::AnyBuffer::Dimensions dims,
+// The columns of the output (or its gradient), which the shared validation cannot see.
+inline ffi::Error CheckShape(std::string_view op, std::string_view name, ffi::AnyBuffer::Dimensions dims,
                              const std::vector<int64_t>& expected) {
   if (dims.size() == expected.size() && std::equal(expected.begin(), expected.end(), dims.begin())) {
     return ffi::Error::Success();
   }
   std::string want = "[";
   for (size_t i = 0; i < expected.size(); ++i) want += (i ? ", " : "") + std::to_string(expected[i]);
-  return Invalid(std::string(name) + " has shape " + ShapeString(dims) + "; expected " + want + "]");
+  return Invalid(op, std::string(name) + " has shape " + ShapeString(dims) + "; expected " + want + "]");
 }
 
 }  // namespace cpu

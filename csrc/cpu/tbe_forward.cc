@@ -16,10 +16,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <string_view>
 #include <vector>
 
 #include "common/ffi_util.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 #include "cpu/tbe_cpu_util.h"
 
 namespace jaxrec {
@@ -184,18 +186,24 @@ void Forward(ffi::ThreadPool& pool, const ForwardArgs<I>& a, int64_t num_indices
   });
 }
 
+constexpr std::string_view kOp = "jaxrec_tbe_forward";
+
 ffi::Error TbeForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer weights, ffi::AnyBuffer indices,
                          ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
                          ffi::Result<ffi::AnyBuffer> output, int32_t pooling) {
+  TbeProblem problem;
+  if (ffi::Error error = ValidateForward(kOp, weights, indices, offsets, per_sample_weights, layout, *output,
+                                         pooling, &problem);
+      error.failure()) {
+    return error;
+  }
   return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
     using I = decltype(index_zero);
-    TbeProblem problem;
-    if (ffi::Error error =
-            ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout, pooling, &problem);
-        error.failure()) {
+    if (ffi::Error error = ValidateContents<I>(kOp, weights, offsets, &problem); error.failure()) {
       return error;
     }
-    if (ffi::Error error = CheckShape("output", output->dimensions(), problem.out_dims); error.failure()) {
+    if (ffi::Error error = CheckShape(kOp, "output", output->dimensions(), problem.out_dims);
+        error.failure()) {
       return error;
     }
     const ForwardArgs<I> args{
@@ -204,9 +212,9 @@ ffi::Error TbeForwardCpu(ffi::ThreadPool pool, ffi::AnyBuffer weights, ffi::AnyB
         problem.layout,          problem.batch_size,
         problem.total_dim,       problem.pooling,
         output->untyped_data()};
-    return DispatchFloatType(weights.element_type(), "weights", [&](auto weight_zero) {
+    return DispatchFloatType<Half, BFloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
       using W = decltype(weight_zero);
-      return DispatchFloatType(output->element_type(), "output", [&](auto out_zero) {
+      return DispatchFloatType<Half, BFloat16>(output->element_type(), "output", [&](auto out_zero) {
         using O = decltype(out_zero);
         Forward<W, O, I>(pool, args, problem.num_indices, problem.max_dim);
         return ffi::Error::Success();

@@ -38,18 +38,21 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <vector>
 
 #include "common/ffi_util.h"
 #include "common/fused_optimizer.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 #include "cpu/tbe_cpu_util.h"
 
 namespace jaxrec {
 namespace cpu {
 namespace {
 
+constexpr std::string_view kOp = "jaxrec_tbe_fused_update";
 constexpr int64_t kMinItem = 1024;  // sorted entries per work item
 constexpr int64_t kMaxItem = 4096;
 constexpr int64_t kPrefetchDistance = 8;          // sorted entries ahead
@@ -288,44 +291,11 @@ void FusedUpdate(ffi::ThreadPool& pool, const UpdateArgs<I>& a) {
   });
 }
 
-// Calls fn(std::integral_constant<OptimizerKind, kind>{}) for the `optimizer` attribute.
-template <typename Fn>
-ffi::Error DispatchOptimizer(int32_t optimizer, Fn&& fn) {
-  using K = OptimizerKind;
-  switch (static_cast<K>(optimizer)) {
-    case K::kSgd:
-      return fn(std::integral_constant<K, K::kSgd>{});
-    case K::kAdagrad:
-      return fn(std::integral_constant<K, K::kAdagrad>{});
-    case K::kRowWiseAdagrad:
-      return fn(std::integral_constant<K, K::kRowWiseAdagrad>{});
-    case K::kAdam:
-      return fn(std::integral_constant<K, K::kAdam>{});
-    case K::kPartialRowWiseAdam:
-      return fn(std::integral_constant<K, K::kPartialRowWiseAdam>{});
-    case K::kLamb:
-      return fn(std::integral_constant<K, K::kLamb>{});
-    case K::kPartialRowWiseLamb:
-      return fn(std::integral_constant<K, K::kPartialRowWiseLamb>{});
-    case K::kLarsSgd:
-      return fn(std::integral_constant<K, K::kLarsSgd>{});
-  }
-  return ffi::Error::InvalidArgument(
-      "jaxrec_tbe_fused_update: optimizer must be in [0, 7] "
-      "(jaxrec.optim's configs in FBGEMM's order), got " +
-      std::to_string(optimizer));
-}
-
-ffi::Error Fail(std::string message) {
-  return ffi::Error::InvalidArgument("jaxrec_tbe_fused_update: " + std::move(message));
-}
-
-// The shared validation's errors under this op's name.
-ffi::Error Renamed(ffi::Error error) {
-  constexpr std::string_view kShared = "jaxrec_tbe: ";
-  std::string message = error.message();
-  if (message.rfind(kShared, 0) == 0) message.erase(0, kShared.size());
-  return Fail(std::move(message));
+// A per-row state (`per_row`) of state operand `which` must hold a value at every row key.
+ffi::Error CheckPerRowState(int which, ffi::AnyBuffer state, bool per_row, int64_t max_key) {
+  const int64_t count = state.element_count();
+  if (per_row && count <= max_key) return Invalid(kOp, PerRowStateMessage(which, count));
+  return ffi::Error::Success();
 }
 
 // Copies `from` into `to` unless XLA gave the same buffer (input_output_aliases).
@@ -340,29 +310,6 @@ void CopyUnlessAliased(ffi::ThreadPool& pool, ffi::AnyBuffer from, ffi::AnyBuffe
   });
 }
 
-bool IsFloat(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::F16 || t == ffi::DataType::BF16;
-}
-
-// Checks state operand `which` (1 or 2) and its result; `used` and `per_row` from the optimizer.
-ffi::Error CheckState(int which, ffi::AnyBuffer state, ffi::AnyBuffer result, bool used, bool per_row,
-                      int64_t num_weights, int64_t max_key) {
-  const std::string name = "state" + std::to_string(which);
-  if (result.element_type() != state.element_type() || result.element_count() != state.element_count()) {
-    return Fail(name + " result must have the dtype and size of the " + name + " operand");
-  }
-  if (!used) return ffi::Error::Success();
-  if (!IsFloat(state.element_type())) return Fail(name + " must be float32, bfloat16 or float16");
-  const int64_t count = state.element_count();
-  if (per_row ? count <= max_key : count != num_weights) {
-    return Fail(name + " has " + std::to_string(count) + " elements; this optimizer needs " +
-                (per_row ? "one per table row (sum of the tables' rows)"
-                         : "one per weight (" + std::to_string(num_weights) + ")") +
-                "; build it with jaxrec.optim.init_state");
-  }
-  return ffi::Error::Success();
-}
-
 ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
                              ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                              ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
@@ -374,68 +321,41 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
                              ffi::Result<ffi::AnyBuffer> grad_per_sample_weights, int32_t optimizer,
                              int32_t pooling, int32_t weight_decay_mode, int32_t stochastic_rounding,
                              int32_t seed, int32_t max_dim) {
-  return DispatchIndexType(indices.element_type(), "jaxrec_tbe_fused_update: indices", [&](auto index_zero) {
+  TbeProblem problem;
+  if (ffi::Error error = ValidateFusedUpdate(
+          kOp, grad_output, weights, indices, offsets, per_sample_weights, layout, sorted_keys,
+          sorted_positions, sorted_bags, state1, state2, hparams, step, *weights_out, *state1_out,
+          *state2_out, *grad_per_sample_weights, optimizer, pooling, weight_decay_mode, max_dim, &problem);
+      error.failure()) {
+    return error;
+  }
+  return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
     using I = decltype(index_zero);
-    TbeProblem problem;
-    if (ffi::Error error =
-            ValidateTbe<I>(weights, indices, offsets, per_sample_weights, layout, pooling, &problem);
-        error.failure()) {
-      return Renamed(std::move(error));
+    if (ffi::Error error = ValidateContents<I>(kOp, weights, offsets, &problem); error.failure()) {
+      return error;
     }
     if (max_dim != problem.max_dim) {
-      return Fail("max_dim is " + std::to_string(max_dim) + " but the layout's largest dim is " +
-                  std::to_string(problem.max_dim));
+      return Invalid(kOp, "max_dim is " + std::to_string(max_dim) + " but the layout's largest dim is " +
+                              std::to_string(problem.max_dim));
     }
-    if (grad_output.element_type() != ffi::DataType::F32) return Fail("grad_output must be float32");
-    if (ffi::Error error = CheckShape("grad_output", grad_output.dimensions(), problem.out_dims);
+    if (ffi::Error error = CheckShape(kOp, "grad_output", grad_output.dimensions(), problem.out_dims);
         error.failure()) {
-      return Renamed(std::move(error));
-    }
-    const int64_t n = problem.num_indices;
-    for (ffi::AnyBuffer sorted : {sorted_keys, sorted_positions, sorted_bags}) {
-      if (sorted.element_type() != indices.element_type() ||
-          static_cast<int64_t>(sorted.element_count()) != n) {
-        return Fail(
-            "sorted_keys, sorted_positions and sorted_bags must have the dtype and size of "
-            "indices (" +
-            std::to_string(n) + ")");
-      }
-    }
-    if (hparams.element_type() != ffi::DataType::F32 || hparams.element_count() != 9) {
-      return Fail("hparams must be float32[9] (OptimizerHyperparams' fields in order)");
-    }
-    if (step.element_type() != ffi::DataType::S32 || step.element_count() != 1) {
-      return Fail("step must be an int32 scalar");
-    }
-    if (weight_decay_mode < 0 || weight_decay_mode > 2) {
-      return Fail("weight_decay_mode must be 0 (none), 1 (l2) or 2 (decoupled), got " +
-                  std::to_string(weight_decay_mode));
-    }
-    if (weights_out->element_type() != weights.element_type() ||
-        weights_out->element_count() != weights.element_count()) {
-      return Fail("the weights result must have the dtype and size of weights");
-    }
-    if (grad_per_sample_weights->element_type() != ffi::DataType::F32 ||
-        grad_per_sample_weights->element_count() != per_sample_weights.element_count()) {
-      return Fail("grad_per_sample_weights must be float32 like per_sample_weights (" +
-                  std::to_string(per_sample_weights.element_count()) + " elements)");
+      return error;
     }
     // Keys are sorted, sentinels last: the largest row key precedes the first sentinel.
+    const int64_t n = problem.num_indices;
     const I* keys = sorted_keys.typed_data<I>();
     const int64_t num_keys = std::lower_bound(keys, keys + n, std::numeric_limits<I>::max()) - keys;
-    if (num_keys > 0 && keys[0] < 0) return Fail("sorted_keys must be >= 0");
+    if (num_keys > 0 && keys[0] < 0) return Invalid(kOp, "sorted_keys must be >= 0");
     const int64_t max_key = num_keys > 0 ? keys[num_keys - 1] : -1;
 
     return DispatchOptimizer(optimizer, [&](auto kind) {
       constexpr OptimizerKind kKind = decltype(kind)::value;
-      if (ffi::Error error = CheckState(1, state1, *state1_out, NumStates(kKind) >= 1, State1PerRow(kKind),
-                                        weights.element_count(), max_key);
-          error.failure()) {
+      // A per-row state needs a value at every key (the shared validation saw no keys).
+      if (ffi::Error error = CheckPerRowState(1, state1, State1PerRow(kKind), max_key); error.failure()) {
         return error;
       }
-      if (ffi::Error error = CheckState(2, state2, *state2_out, NumStates(kKind) >= 2, State2PerRow(kKind),
-                                        weights.element_count(), max_key);
-          error.failure()) {
+      if (ffi::Error error = CheckPerRowState(2, state2, State2PerRow(kKind), max_key); error.failure()) {
         return error;
       }
       // XLA hands aliased results over holding the operands' data; copy where it did not alias.
@@ -467,11 +387,10 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
           stochastic_rounding != 0,
           static_cast<uint32_t>(seed),
           static_cast<uint32_t>(t)};
-      return DispatchFloatType(weights.element_type(), "jaxrec_tbe_fused_update: weights",
-                               [&](auto weight_zero) {
-                                 FusedUpdate<kKind, decltype(weight_zero), I>(pool, args);
-                                 return ffi::Error::Success();
-                               });
+      return DispatchFloatType<Half, BFloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
+        FusedUpdate<kKind, decltype(weight_zero), I>(pool, args);
+        return ffi::Error::Success();
+      });
     });
   });
 }

@@ -10,14 +10,18 @@
 #include <cstdint>
 #include <limits>
 #include <string>
+#include <string_view>
 
 #include "common/ffi_util.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 #include "cuda/tbe_backward_common.cuh"
 #include "cuda/tbe_util.cuh"
 
 namespace jaxrec {
 namespace {
+
+constexpr std::string_view kOp = "jaxrec_tbe_backward_sorted";
 
 template <typename G, typename I>
 __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
@@ -52,8 +56,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
 
 ffi::Error Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jaxrec_tbe_backward_sorted: ") + what + ": " +
-                              cudaGetErrorString(err));
+  return ffi::Error::Internal(std::string(kOp) + ": " + what + ": " + cudaGetErrorString(err));
 }
 
 template <typename G, typename W, typename I>
@@ -87,77 +90,38 @@ ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBu
   return ffi::Error::Success();
 }
 
-template <typename G, typename I>
-ffi::Error DispatchWeights(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBuffer& weights,
-                           const ffi::AnyBuffer& indices, const ffi::AnyBuffer& offsets,
-                           const ffi::AnyBuffer& keys, const ffi::AnyBuffer& positions,
-                           const ffi::AnyBuffer& bags, float* gw, size_t gw_bytes, float* gpsw,
-                           const BackwardArgs& args) {
-  switch (weights.element_type()) {
-    case ffi::DataType::F32:
-      return Run<G, float, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes,
-                              gpsw, args);
-    case ffi::DataType::F16:
-      return Run<G, __half, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw, gw_bytes,
-                               gpsw, args);
-    case ffi::DataType::BF16:
-      return Run<G, __nv_bfloat16, I>(stream, grad, weights, indices, offsets, keys, positions, bags, gw,
-                                      gw_bytes, gpsw, args);
-    default:
-      return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: weights must be f32, f16 or bf16");
-  }
-}
-
 ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::AnyBuffer weights,
                                  ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
-                                 ffi::Buffer<ffi::F32> per_sample_weights, ffi::Buffer<ffi::S32> layout,
+                                 ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
                                  ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
-                                 ffi::AnyBuffer sorted_bags, ffi::Result<ffi::Buffer<ffi::F32>> grad_weights,
-                                 ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t pooling) {
-  const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
-  const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
-  if (num_features == 0 || num_bags % num_features != 0 || indices.element_type() != offsets.element_type() ||
-      sorted_keys.element_type() != indices.element_type() ||
-      sorted_positions.element_type() != indices.element_type() ||
-      sorted_bags.element_type() != indices.element_type()) {
-    return ffi::Error::InvalidArgument(
-        "jaxrec_tbe_backward_sorted: offsets (T*B+1) and the sorted keys/positions/bags must use the "
-        "indices' dtype");
+                                 ffi::AnyBuffer sorted_bags, ffi::Result<ffi::AnyBuffer> grad_weights,
+                                 ffi::Result<ffi::AnyBuffer> grad_psw, int32_t pooling) {
+  TbeBatch batch;
+  if (ffi::Error error = ValidateBackward(kOp, grad, weights, indices, offsets, per_sample_weights, layout,
+                                          *grad_weights, *grad_psw, pooling, &batch);
+      error.failure()) {
+    return error;
   }
-  const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
-  BackwardArgs args;
-  args.table_offsets = packed;
-  args.dims = packed + num_features;
-  args.rows = packed + 2 * num_features;
-  args.output_offsets = packed + 3 * num_features;
-  args.num_features = num_features;
-  args.batch_size = num_bags / num_features;
-  args.num_indices = indices.element_count();
-  const auto grad_dims = grad.dimensions();
-  args.grad_row_width = grad_dims.size() == 2 ? grad_dims[1] : 0;
-  args.per_sample_weights =
-      per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
-  args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
-  args.sequence = pooling == static_cast<int32_t>(PoolingMode::kNone);
-  float* gw = grad_weights->typed_data();
-  const size_t gw_bytes = grad_weights->element_count() * sizeof(float);
-  float* gpsw = grad_psw->element_count() > 0 ? grad_psw->typed_data() : nullptr;
+  if (ffi::Error error = ValidateSorted(kOp, indices, sorted_keys, sorted_positions, sorted_bags);
+      error.failure()) {
+    return error;
+  }
+  const BackwardArgs args = MakeBackwardArgs(batch, grad, per_sample_weights);
+  float* gw = grad_weights->typed_data<float>();
+  const size_t gw_bytes = grad_weights->size_bytes();
+  float* gpsw = batch.weighted ? grad_psw->typed_data<float>() : nullptr;
 
-  return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
-    using I = decltype(zero);
-    switch (grad.element_type()) {
-      case ffi::DataType::F32:
-        return DispatchWeights<float, I>(stream, grad, weights, indices, offsets, sorted_keys,
-                                         sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
-      case ffi::DataType::F16:
-        return DispatchWeights<__half, I>(stream, grad, weights, indices, offsets, sorted_keys,
-                                          sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
-      case ffi::DataType::BF16:
-        return DispatchWeights<__nv_bfloat16, I>(stream, grad, weights, indices, offsets, sorted_keys,
-                                                 sorted_positions, sorted_bags, gw, gw_bytes, gpsw, args);
-      default:
-        return ffi::Error::InvalidArgument("jaxrec_tbe_backward_sorted: grad must be f32, f16 or bf16");
-    }
+  return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
+    using I = decltype(index_zero);
+    return DispatchFloatType<__half, __nv_bfloat16>(grad.element_type(), "grad_output", [&](auto grad_zero) {
+      using G = decltype(grad_zero);
+      return DispatchFloatType<__half, __nv_bfloat16>(
+          weights.element_type(), "weights", [&](auto weight_zero) {
+            using W = decltype(weight_zero);
+            return Run<G, W, I>(stream, grad, weights, indices, offsets, sorted_keys, sorted_positions,
+                                sorted_bags, gw, gw_bytes, gpsw, args);
+          });
+    });
   });
 }
 
@@ -167,15 +131,15 @@ ffi::Error TbeBackwardSortedCuda(cudaStream_t stream, ffi::AnyBuffer grad, ffi::
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeBackwardSortedCuda, jaxrec::TbeBackwardSortedCuda,
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()              // grad_output
-                                  .Arg<xla::ffi::AnyBuffer>()              // weights
-                                  .Arg<xla::ffi::AnyBuffer>()              // indices
-                                  .Arg<xla::ffi::AnyBuffer>()              // offsets
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // per_sample_weights
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layout
-                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_keys
-                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_positions
-                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_bags
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_weights
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_per_sample_weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // grad_output
+                                  .Arg<xla::ffi::AnyBuffer>()  // weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // indices
+                                  .Arg<xla::ffi::AnyBuffer>()  // offsets
+                                  .Arg<xla::ffi::AnyBuffer>()  // per_sample_weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // layout
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_keys
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_positions
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_bags
+                                  .Ret<xla::ffi::AnyBuffer>()  // grad_weights
+                                  .Ret<xla::ffi::AnyBuffer>()  // grad_per_sample_weights
                                   .Attr<int32_t>("pooling"));

@@ -1,25 +1,25 @@
-// Device pieces shared by the TBE backward and the fused update: the problem's
-// arguments, the gradient row and scale of a position, and the per-sample-weight
-// gradient kernel (which must read the weights before the fused update changes them).
+// Pieces shared by the TBE backward and the fused update: the problem's arguments
+// (bound from the shared validation's TbeBatch), the gradient row and scale of a
+// position, and the per-sample-weight gradient kernel (which must read the weights
+// before the fused update changes them).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
+#include "common/ffi_util.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 #include "cuda/tbe_util.cuh"
 
 namespace jaxrec {
 
 constexpr int kWarpsPerBlock = 8;
 
-struct BackwardArgs {
-  const int64_t* table_offsets;
-  const int64_t* dims;
-  const int64_t* rows;
-  const int64_t* output_offsets;
-  int64_t num_features;
+// The layout's arrays (table_offsets, dims, rows, output_offsets in device memory) and
+// T, and the batch.
+struct BackwardArgs : TbeLayout {
   int64_t batch_size;
   int64_t num_indices;
   int64_t grad_row_width;           // pooled: total_dim; sequence: dim
@@ -27,6 +27,20 @@ struct BackwardArgs {
   bool mean;
   bool sequence;
 };
+
+// The arguments of the batch that the shared validation described (common/tbe_validate.h).
+inline BackwardArgs MakeBackwardArgs(const TbeBatch& batch, ffi::AnyBuffer grad_output,
+                                     ffi::AnyBuffer per_sample_weights) {
+  BackwardArgs args;
+  static_cast<TbeLayout&>(args) = batch.layout;
+  args.batch_size = batch.batch_size;
+  args.num_indices = batch.num_indices;
+  args.grad_row_width = grad_output.dimensions()[1];
+  args.per_sample_weights = batch.weighted ? per_sample_weights.typed_data<float>() : nullptr;
+  args.mean = batch.pooling == PoolingMode::kMean;
+  args.sequence = batch.pooling == PoolingMode::kNone;
+  return args;
+}
 
 // Whether a sorted entry names a position in [0, N), a bag in [0, T*B) and an id inside
 // its feature's table. The wrapper gives every other position the sentinel key

@@ -14,9 +14,11 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "common/ffi_util.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 #include "cuda/tbe_util.cuh"
 
 namespace jaxrec {
@@ -25,11 +27,8 @@ namespace {
 constexpr int kWarpsPerBlock = 8;
 constexpr int kUnroll = 4;
 
-struct ForwardArgs {
-  const int64_t* table_offsets;
-  const int64_t* dims;
-  const int64_t* rows;
-  const int64_t* output_offsets;
+// The layout's arrays (table_offsets, dims, rows, output_offsets in device memory), and the batch.
+struct ForwardArgs : TbeLayout {
   WarpSchedule schedule;
   int64_t batch_size;
   int64_t total_dim;  // pooled: output row width; sequence: dim
@@ -186,66 +185,44 @@ ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi:
   return ffi::Error::Success();
 }
 
-template <typename W, typename I>
-ffi::Error DispatchOutput(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi::AnyBuffer& indices,
-                          const ffi::AnyBuffer& offsets, ffi::AnyBuffer* out, const ForwardArgs& args,
-                          bool sequence) {
-  switch (out->element_type()) {
-    case ffi::DataType::F32:
-      return Launch<W, float, I>(stream, weights, indices, offsets, out, args, sequence);
-    case ffi::DataType::F16:
-      return Launch<W, __half, I>(stream, weights, indices, offsets, out, args, sequence);
-    case ffi::DataType::BF16:
-      return Launch<W, __nv_bfloat16, I>(stream, weights, indices, offsets, out, args, sequence);
-    default:
-      return ffi::Error::InvalidArgument("jaxrec_tbe_forward: output must be f32, f16 or bf16");
-  }
-}
+constexpr std::string_view kOp = "jaxrec_tbe_forward";
 
 ffi::Error TbeForwardCuda(cudaStream_t stream, ffi::AnyBuffer weights, ffi::AnyBuffer indices,
-                          ffi::AnyBuffer offsets, ffi::Buffer<ffi::F32> per_sample_weights,
-                          ffi::Buffer<ffi::S32> layout, ffi::Buffer<ffi::S32> schedule,
-                          ffi::Result<ffi::AnyBuffer> out, int32_t pooling, int64_t num_warps) {
-  const int64_t num_features = (static_cast<int64_t>(schedule.element_count()) - 1) / 2;
-  if (layout.element_count() != static_cast<size_t>(PackedLayoutSize(num_features))) {
-    return ffi::Error::InvalidArgument("jaxrec_tbe_forward: layout and schedule disagree on T");
+                          ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
+                          ffi::Buffer<ffi::S32> schedule, ffi::Result<ffi::AnyBuffer> out, int32_t pooling,
+                          int64_t num_warps) {
+  TbeBatch batch;
+  if (ffi::Error error =
+          ValidateForward(kOp, weights, indices, offsets, per_sample_weights, layout, *out, pooling, &batch);
+      error.failure()) {
+    return error;
   }
-  const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
-  if (num_features == 0 || num_bags % num_features != 0 || indices.element_type() != offsets.element_type()) {
-    return ffi::Error::InvalidArgument("jaxrec_tbe_forward: offsets must be T*B+1 ids of the indices' dtype");
+  const int64_t num_features = batch.layout.num_features;
+  if (static_cast<int64_t>(schedule.element_count()) != 2 * num_features + 1) {
+    return Invalid(kOp, "layout and schedule disagree on T");
   }
-  const bool sequence = pooling == static_cast<int32_t>(PoolingMode::kNone);
-  const auto out_dims = out->dimensions();
+  const bool sequence = batch.pooling == PoolingMode::kNone;
   ForwardArgs args;
-  const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
-  args.table_offsets = packed;
-  args.dims = packed + num_features;
-  args.rows = packed + 2 * num_features;
-  args.output_offsets = packed + 3 * num_features;
+  static_cast<TbeLayout&>(args) = batch.layout;
   args.schedule = {schedule.typed_data(), schedule.typed_data() + num_features + 1,
                    static_cast<int32_t>(num_features)};
-  args.batch_size = num_bags / num_features;
-  args.total_dim = out_dims.size() == 2 ? out_dims[1] : 0;
+  args.batch_size = batch.batch_size;
+  args.total_dim = out->dimensions()[1];
   args.num_warps = static_cast<int32_t>(num_warps);
-  args.num_indices = static_cast<int64_t>(indices.element_count());
-  args.per_sample_weights =
-      per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
-  args.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
+  args.num_indices = batch.num_indices;
+  args.per_sample_weights = batch.weighted ? per_sample_weights.typed_data<float>() : nullptr;
+  args.mean = batch.pooling == PoolingMode::kMean;
 
   ffi::AnyBuffer* out_buffer = &(*out);
-  return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
-    using I = decltype(zero);
-    switch (weights.element_type()) {
-      case ffi::DataType::F32:
-        return DispatchOutput<float, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
-      case ffi::DataType::F16:
-        return DispatchOutput<__half, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
-      case ffi::DataType::BF16:
-        return DispatchOutput<__nv_bfloat16, I>(stream, weights, indices, offsets, out_buffer, args,
-                                                sequence);
-      default:
-        return ffi::Error::InvalidArgument("jaxrec_tbe_forward: weights must be f32, f16 or bf16");
-    }
+  return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
+    using I = decltype(index_zero);
+    return DispatchFloatType<__half, __nv_bfloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
+      using W = decltype(weight_zero);
+      return DispatchFloatType<__half, __nv_bfloat16>(out->element_type(), "output", [&](auto out_zero) {
+        using O = decltype(out_zero);
+        return Launch<W, O, I>(stream, weights, indices, offsets, out_buffer, args, sequence);
+      });
+    });
   });
 }
 
@@ -258,8 +235,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeForwardCuda, jaxrec::TbeForwardCuda,
                                   .Arg<xla::ffi::AnyBuffer>()              // weights
                                   .Arg<xla::ffi::AnyBuffer>()              // indices
                                   .Arg<xla::ffi::AnyBuffer>()              // offsets
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // per_sample_weights
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layout
+                                  .Arg<xla::ffi::AnyBuffer>()              // per_sample_weights
+                                  .Arg<xla::ffi::AnyBuffer>()              // layout
                                   .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // schedule
                                   .Ret<xla::ffi::AnyBuffer>()              // output
                                   .Attr<int32_t>("pooling")

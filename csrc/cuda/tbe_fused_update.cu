@@ -27,18 +27,21 @@
 #include <limits>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 #include <type_traits>
 
 #include "common/ffi_util.h"
 #include "common/fused_optimizer.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 #include "cuda/tbe_backward_common.cuh"
 #include "cuda/tbe_util.cuh"
 
 namespace jaxrec {
 namespace {
 
+constexpr std::string_view kOp = "jaxrec_tbe_fused_update";
 constexpr int kMaxChunks = 8;     // dims up to 8 * 128 = 1024 columns
 constexpr int64_t kWindow = 256;  // sorted entries one warp sums before partial rows take over
 
@@ -307,12 +310,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
 
 ffi::Error Check(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("jaxrec_tbe_fused_update: ") + what + ": " +
-                              cudaGetErrorString(err));
-}
-
-ffi::Error Invalid(const std::string& message) {
-  return ffi::Error::InvalidArgument("jaxrec_tbe_fused_update: " + message);
+  return ffi::Error::Internal(std::string(kOp) + ": " + what + ": " + cudaGetErrorString(err));
 }
 
 // Copies an operand into its result when XLA did not alias the two buffers.
@@ -357,87 +355,30 @@ void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
   }
 }
 
-template <typename W, typename I>
-ffi::Error DispatchKind(int32_t kind, const Launch& l, int chunks, const FusedArgs& a) {
-  switch (static_cast<OptimizerKind>(kind)) {
-    case OptimizerKind::kSgd:
-      LaunchFused<OptimizerKind::kSgd, W, I>(l, chunks, a);
-      break;
-    case OptimizerKind::kAdagrad:
-      LaunchFused<OptimizerKind::kAdagrad, W, I>(l, chunks, a);
-      break;
-    case OptimizerKind::kRowWiseAdagrad:
-      LaunchFused<OptimizerKind::kRowWiseAdagrad, W, I>(l, chunks, a);
-      break;
-    case OptimizerKind::kAdam:
-      LaunchFused<OptimizerKind::kAdam, W, I>(l, chunks, a);
-      break;
-    case OptimizerKind::kPartialRowWiseAdam:
-      LaunchFused<OptimizerKind::kPartialRowWiseAdam, W, I>(l, chunks, a);
-      break;
-    case OptimizerKind::kLamb:
-      LaunchFused<OptimizerKind::kLamb, W, I>(l, chunks, a);
-      break;
-    case OptimizerKind::kPartialRowWiseLamb:
-      LaunchFused<OptimizerKind::kPartialRowWiseLamb, W, I>(l, chunks, a);
-      break;
-    case OptimizerKind::kLarsSgd:
-      LaunchFused<OptimizerKind::kLarsSgd, W, I>(l, chunks, a);
-      break;
-    default:
-      return Invalid("unknown optimizer " + std::to_string(kind));
-  }
-  return Check(cudaGetLastError(), "fused update");
-}
-
-ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::Buffer<ffi::F32> grad,
+ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer grad,
                               ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
-                              ffi::Buffer<ffi::F32> per_sample_weights, ffi::Buffer<ffi::S32> layout,
+                              ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
                               ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
                               ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
-                              ffi::Buffer<ffi::F32> hparams, ffi::Buffer<ffi::S32> step,
+                              ffi::AnyBuffer hparams, ffi::AnyBuffer step,
                               ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
-                              ffi::Result<ffi::AnyBuffer> state2_out,
-                              ffi::Result<ffi::Buffer<ffi::F32>> grad_psw, int32_t optimizer, int32_t pooling,
-                              int32_t weight_decay_mode, int32_t stochastic_rounding, int32_t seed,
-                              int32_t max_dim) {
-  const int64_t num_features = (static_cast<int64_t>(layout.element_count()) / 2 - 1) / 4;
-  const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
-  const ffi::DataType index_type = indices.element_type();
-  if (num_features == 0 || num_bags % num_features != 0 || offsets.element_type() != index_type ||
-      sorted_keys.element_type() != index_type || sorted_positions.element_type() != index_type ||
-      sorted_bags.element_type() != index_type) {
-    return Invalid("offsets (T*B+1) and the sorted keys/positions/bags must use the indices' dtype");
-  }
-  if (hparams.element_count() != 9 || step.element_count() != 1) {
-    return Invalid("hparams must be float32[9] and step an int32 scalar");
-  }
-  const auto kind = static_cast<OptimizerKind>(optimizer);
-  if (optimizer < 0 || optimizer > static_cast<int32_t>(OptimizerKind::kLarsSgd)) {
-    return Invalid("unknown optimizer " + std::to_string(optimizer));
-  }
-  if ((NumStates(kind) >= 1 && state1.element_count() == 0) ||
-      (NumStates(kind) >= 2 && state2.element_count() == 0)) {
-    return Invalid("the optimizer's state buffers are missing");
+                              ffi::Result<ffi::AnyBuffer> state2_out, ffi::Result<ffi::AnyBuffer> grad_psw,
+                              int32_t optimizer, int32_t pooling, int32_t weight_decay_mode,
+                              int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
+  TbeBatch batch;
+  if (ffi::Error error = ValidateFusedUpdate(kOp, grad, weights, indices, offsets, per_sample_weights, layout,
+                                             sorted_keys, sorted_positions, sorted_bags, state1, state2,
+                                             hparams, step, *weights_out, *state1_out, *state2_out, *grad_psw,
+                                             optimizer, pooling, weight_decay_mode, max_dim, &batch);
+      error.failure()) {
+    return error;
   }
 
-  const int64_t* packed = reinterpret_cast<const int64_t*>(layout.typed_data());
   FusedArgs a;
   BackwardArgs& ga = a.grad;
-  ga.table_offsets = packed;
-  ga.dims = packed + num_features;
-  ga.rows = packed + 2 * num_features;
-  ga.output_offsets = packed + 3 * num_features;
-  ga.num_features = num_features;
-  ga.batch_size = num_bags / num_features;
-  ga.num_indices = indices.element_count();
-  const auto grad_dims = grad.dimensions();
-  ga.grad_row_width = grad_dims.size() == 2 ? grad_dims[1] : 0;
-  ga.per_sample_weights = per_sample_weights.element_count() > 0 ? per_sample_weights.typed_data() : nullptr;
-  ga.mean = pooling == static_cast<int32_t>(PoolingMode::kMean);
-  ga.sequence = pooling == static_cast<int32_t>(PoolingMode::kNone);
-  a.hparams = hparams.typed_data();
-  a.step = step.typed_data();
+  ga = MakeBackwardArgs(batch, grad, per_sample_weights);
+  a.hparams = hparams.typed_data<float>();
+  a.step = step.typed_data<int32_t>();
   a.state1 = {state1_out->untyped_data(), state1.element_type()};
   a.state2 = {state2_out->untyped_data(), state2.element_type()};
   a.weight_decay_mode = static_cast<WeightDecayMode>(weight_decay_mode);
@@ -449,7 +390,7 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                                std::tuple{&state2, state2_out->untyped_data(), "state2 copy"}}) {
     if (ffi::Error e = CopyIfNotAliased(stream, *in, out, what); e.failure()) return e;
   }
-  float* gpsw = grad_psw->element_count() > 0 ? grad_psw->typed_data() : nullptr;
+  float* gpsw = batch.weighted ? grad_psw->typed_data<float>() : nullptr;
   if (gpsw != nullptr) {
     if (ffi::Error e = Check(cudaMemsetAsync(gpsw, 0, grad_psw->size_bytes(), stream), "memset");
         e.failure()) {
@@ -459,20 +400,20 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   if (ga.num_indices == 0 || ga.batch_size == 0) return ffi::Error::Success();
   const unsigned blocks = static_cast<unsigned>((ga.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const int chunks = static_cast<int>((max_dim + 127) / 128);
-  if (chunks > kMaxChunks) return Invalid("dims above 1024 are not supported by the fused kernel");
+  if (chunks > kMaxChunks) return Invalid(kOp, "dims above 1024 are not supported by the fused kernel");
   const int64_t windows = (ga.num_indices + kWindow - 1) / kWindow;
   a.partials = nullptr;
   a.partial_width = max_dim;
   if (windows > 1) {  // XLA's scratch memory lives until the handler returns, stream-ordered
     std::optional<void*> buffer = scratch.Allocate(sizeof(float) * windows * max_dim, 16);
-    if (!buffer.has_value()) return ffi::Error::Internal("jaxrec_tbe_fused_update: no scratch memory");
+    if (!buffer.has_value()) return ffi::Error::Internal(std::string(kOp) + ": no scratch memory");
     a.partials = static_cast<float*>(*buffer);
   }
   const unsigned window_blocks = static_cast<unsigned>((windows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const Launch l{stream,
                  blocks,
                  window_blocks,
-                 grad.typed_data(),
+                 grad.typed_data<float>(),
                  weights_out->untyped_data(),
                  indices.untyped_data(),
                  offsets.untyped_data(),
@@ -480,28 +421,21 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                  sorted_positions.untyped_data(),
                  sorted_bags.untyped_data()};
 
-  return DispatchIndexType(index_type, "indices", [&](auto zero) {
-    using I = decltype(zero);
-    const auto run = [&](auto weight_zero) {
+  return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
+    using I = decltype(index_zero);
+    return DispatchFloatType<__half, __nv_bfloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
       using W = decltype(weight_zero);
       if (gpsw != nullptr) {  // reads the weights before the update below changes them
         PerSampleWeightGradients<float, W, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
-            grad.typed_data(), static_cast<const W*>(l.weights), indices.typed_data<I>(),
+            grad.typed_data<float>(), static_cast<const W*>(l.weights), indices.typed_data<I>(),
             offsets.typed_data<I>(), gpsw, ga);
         if (ffi::Error e = Check(cudaGetLastError(), "per-sample weight gradients"); e.failure()) return e;
       }
-      return DispatchKind<W, I>(optimizer, l, chunks, a);
-    };
-    switch (weights.element_type()) {
-      case ffi::DataType::F32:
-        return run(float{});
-      case ffi::DataType::F16:
-        return run(__half{});
-      case ffi::DataType::BF16:
-        return run(__nv_bfloat16{});
-      default:
-        return Invalid("weights must be f32, f16 or bf16");
-    }
+      return DispatchOptimizer(optimizer, [&](auto kind) {
+        LaunchFused<decltype(kind)::value, W, I>(l, chunks, a);
+        return Check(cudaGetLastError(), "fused update");
+      });
+    });
   });
 }
 
@@ -512,23 +446,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCuda, jaxrec::TbeFusedUpdateCu
                               xla::ffi::Ffi::Bind()
                                   .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
                                   .Ctx<xla::ffi::ScratchAllocator>()
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_output
-                                  .Arg<xla::ffi::AnyBuffer>()              // weights
-                                  .Arg<xla::ffi::AnyBuffer>()              // indices
-                                  .Arg<xla::ffi::AnyBuffer>()              // offsets
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // per_sample_weights
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // layout
-                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_keys
-                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_positions
-                                  .Arg<xla::ffi::AnyBuffer>()              // sorted_bags
-                                  .Arg<xla::ffi::AnyBuffer>()              // state1
-                                  .Arg<xla::ffi::AnyBuffer>()              // state2
-                                  .Arg<xla::ffi::Buffer<xla::ffi::F32>>()  // hparams
-                                  .Arg<xla::ffi::Buffer<xla::ffi::S32>>()  // step
-                                  .Ret<xla::ffi::AnyBuffer>()              // weights (aliased)
-                                  .Ret<xla::ffi::AnyBuffer>()              // state1 (aliased)
-                                  .Ret<xla::ffi::AnyBuffer>()              // state2 (aliased)
-                                  .Ret<xla::ffi::Buffer<xla::ffi::F32>>()  // grad_per_sample_weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // grad_output
+                                  .Arg<xla::ffi::AnyBuffer>()  // weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // indices
+                                  .Arg<xla::ffi::AnyBuffer>()  // offsets
+                                  .Arg<xla::ffi::AnyBuffer>()  // per_sample_weights
+                                  .Arg<xla::ffi::AnyBuffer>()  // layout
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_keys
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_positions
+                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_bags
+                                  .Arg<xla::ffi::AnyBuffer>()  // state1
+                                  .Arg<xla::ffi::AnyBuffer>()  // state2
+                                  .Arg<xla::ffi::AnyBuffer>()  // hparams
+                                  .Arg<xla::ffi::AnyBuffer>()  // step
+                                  .Ret<xla::ffi::AnyBuffer>()  // weights (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()  // state1 (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()  // state2 (aliased)
+                                  .Ret<xla::ffi::AnyBuffer>()  // grad_per_sample_weights
                                   .Attr<int32_t>("optimizer")
                                   .Attr<int32_t>("pooling")
                                   .Attr<int32_t>("weight_decay_mode")
