@@ -41,7 +41,7 @@ from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._report import write_json
 from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, SyntheticClickLog
 from jaxrec.models import DLRM, DLRM_DCN
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, PartitionedOptimizer, make_train_step
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
 from jaxrec.optim import Adagrad, RowWiseAdagrad
 from jaxrec.sparse import KeyedTensor
 
@@ -115,7 +115,7 @@ def build(variant, keys, sizes, batch_size):
     if variant == "embeddings_only":
         cotangent = jax.random.normal(jax.random.key(1), (batch_size, DIM * len(keys))) * 1e-3
         model = SparseOnly(sparse, cotangent)
-        return model, PartitionedOptimizer(model, optax.adam(1e-3))
+        return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     if variant == "dense_only":
         del sparse
         gc.collect()
@@ -133,7 +133,7 @@ def build(variant, keys, sizes, batch_size):
                                    _labels(model))
     else:
         tx = optax.adam(1e-3)
-    return model, PartitionedOptimizer(model, tx)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
 
 
 def _labels(model):

@@ -43,8 +43,9 @@ import jax.numpy as jnp
 import numpy as np
 from tbe_cpu import NUM_ID_SETS, interleaved_medians, machine_info
 
+from jaxrec.fused import fused_update
 from jaxrec.ops import TableLayout, embedding_bag_lookup
-from jaxrec.optim import Adagrad, RowWiseAdagrad, fused_update, init_state, split_optimizer_states
+from jaxrec.optim import Adagrad, RowWiseAdagrad, init_state, split_optimizer_states
 
 LR, EPS = 0.01, 1e-8
 OPTIMIZERS = {"rowwise_adagrad": (RowWiseAdagrad(learning_rate=LR, eps=EPS), "EXACT_ROWWISE_ADAGRAD"),

@@ -9,7 +9,7 @@ Per case (fp32 tables of E rows x D, T features of one table each, B samples, fi
 bags of L uniform random ids, duplicates included):
 
 * forward: ``embedding_bag_lookup`` alone.
-* fused_<opt>: ``jaxrec.optim.fused_update`` alone (the backward with the optimizer fused
+* fused_<opt>: ``jaxrec.fused.fused_update`` alone (the backward with the optimizer fused
   in), weights and state donated, from a precomputed random ``grad_output``.
 * sort_keys: the part of fused_update that XLA runs before the kernel (bags, row keys, their
   sort), with whether the compiled sort is CUB's radix sort.
@@ -55,18 +55,15 @@ import optax  # noqa: E402
 from tbe_gpu import SETS, _nvidia_driver, timed  # noqa: E402
 
 import jaxrec  # noqa: E402
-from jaxrec.ops import TableLayout, embedding_bag_lookup  # noqa: E402
-from jaxrec.ops.tbe_reference import bag_of_position, row_keys  # noqa: E402
-from jaxrec.optim import (  # noqa: E402
-    SGD,
-    Adam,
+from jaxrec.fused import (  # noqa: E402
     FusedEmbeddingTables,
-    RowWiseAdagrad,
     fused_lookup,
     fused_update,
-    init_state,
-    make_train_step,
+    make_functional_train_step,
 )
+from jaxrec.ops import TableLayout, embedding_bag_lookup  # noqa: E402
+from jaxrec.ops.tbe_reference import bag_of_position, row_keys  # noqa: E402
+from jaxrec.optim import SGD, Adam, RowWiseAdagrad, init_state  # noqa: E402
 
 try:
     import torch
@@ -344,7 +341,7 @@ def jax_measurements(c, layout, offsets, batches, grads, weights):
     variants = [("rowwise_adagrad", True), ("rowwise_adagrad", False)] if c["no_donation"] else \
         [(opt, True) for opt in c["steps"]]
     for opt, donate in variants:
-        train = make_train_step(loss_fn, optax.sgd(DENSE_LR), donate=donate)
+        train = make_functional_train_step(loss_fn, optax.sgd(DENSE_LR), donate=donate)
 
         def make_carry(config=OPTIMIZERS[opt]):
             v = jnp.copy(v0)
@@ -382,7 +379,7 @@ def check_peers(c, layout, offsets, grouped, weights, v0):
 
     def jaxrec_step(opt):
         tables = FusedEmbeddingTables.create(layout, OPTIMIZERS[opt], weights=weights)
-        train = make_train_step(loss_fn, optax.sgd(DENSE_LR), donate=False)
+        train = make_functional_train_step(loss_fn, optax.sgd(DENSE_LR), donate=False)
         return train(v0, optax.sgd(DENSE_LR).init(v0), tables, ids.reshape(-1), offsets)[2].weights
 
     exact = jax.jit(jax_exact_rowwise_adagrad(t, e, d))(weights, jnp.zeros((t * e,)), v0, ids)[0]

@@ -36,7 +36,7 @@ from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._report import write_json
 from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, SyntheticClickLog
 from jaxrec.models import DLRM
-from jaxrec.nn import EmbeddingBagConfig, PartitionedOptimizer
+from jaxrec.nn import EmbeddingBagConfig, make_train_step
 from jaxrec.optim import RowWiseAdagrad
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -64,8 +64,8 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     ebc.comm_dtype = jnp.dtype(comm_dtype)
     if not rows:
         ebc.row_return_capacity = (0,) * len(ebc.row_return_capacity)
-    opt = PartitionedOptimizer(model, optax.adam(1e-3))
-    step = par.make_train_step(bce)
+    opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    step = make_train_step(bce)
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
 
 

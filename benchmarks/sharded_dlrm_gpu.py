@@ -59,7 +59,6 @@ from jaxrec.models import DLRM
 from jaxrec.nn import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
-    PartitionedOptimizer,
     make_train_step,
 )
 from jaxrec.optim import Adam, RowWiseAdagrad
@@ -156,10 +155,10 @@ def equality(devices) -> list[dict]:
             reference = build()
         plan = par.construct_plan(EQ_TABLES, plans[kind], n, local_world_size=local)
         model = par.shard(build(), plan, mesh, max_ids_per_bag=bound)
-        ref_opt, opt = PartitionedOptimizer(reference, tx), PartitionedOptimizer(model, tx)
+        ref_opt, opt = nnx.Optimizer(reference, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
         ref_step = reference_steps.setdefault(opt_name, make_train_step(
             lambda m, b: jnp.sum((m(b.dense, b.sparse) - b.labels) ** 2) / (n * EQ_B)))
-        step = par.make_train_step(lambda m, b: jnp.sum((m(b.dense, b.sparse) - b.labels) ** 2) / EQ_B)
+        step = make_train_step(lambda m, b: jnp.sum((m(b.dense, b.sparse) - b.labels) ** 2) / EQ_B)
         forward = par.make_forward(lambda m, kjt: m.sparse_arch(kjt).values())
         errors = {}
         one_hot = bound == 1
@@ -228,7 +227,7 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
                 batches = [jax.device_put(x, devices[0]) for x in log.batches(b, 4)]
                 ebc = EmbeddingBagCollection(tables, optimizer=optimizer, rngs=nnx.Rngs(0))
                 model = DLRM(ebc, log.num_dense, cfg["bottom"], cfg["top"], rngs=nnx.Rngs(1))
-                opt = PartitionedOptimizer(model, optax.adam(1e-3))
+                opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
             step = make_train_step(bce)
             cases.append(({"plan": "unsharded", "devices": 1},
                           functools.partial(step, model, opt), batches, 1, None))
@@ -246,8 +245,8 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
             ebc.max_ids_per_bag = (1,) * len(ebc.feature_names)
             batches = [par.shard_batch(x, mesh, model=model) for x in log.batches(n * b, 4)]
             fitted = ebc.row_return_capacity
-            opt = PartitionedOptimizer(model, optax.adam(1e-3))
-            step = par.make_train_step(bce)
+            opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+            step = make_train_step(bce)
             estimate = {"step_ms": max(plan.stats.perf) * 1e3, "memory_gb": plan.stats.memory / 1e9,
                         "imbalance": plan.stats.imbalance}
             for label, _, comm_dtype, bound, rows in variants(cfg["comm_dtypes"], cfg["bounds"],

@@ -33,8 +33,15 @@ import optax
 from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._measure import timed
 from jaxrec.benchmark._report import write_json
+from jaxrec.fused import (
+    FusedEmbeddingTables,
+    TTEmbeddingTables,
+    fused_lookup,
+    make_functional_train_step,
+    tt_fused_lookup,
+)
 from jaxrec.ops import TableLayout, TTLayout, init_tt_cores, init_weights
-from jaxrec.optim import SGD, FusedEmbeddingTables, TTEmbeddingTables, fused_lookup, make_train_step, tt_fused_lookup
+from jaxrec.optim import SGD
 
 P, Q, RANKS = (200, 220, 250), (4, 4, 4), (32, 32)
 
@@ -58,7 +65,7 @@ def train_step(lookup):
     def loss(params, tables, indices, offsets, grad_output):
         return jnp.sum(lookup(tables, indices, offsets) * grad_output) * params
 
-    return make_train_step(loss, optax.sgd(0.0))
+    return make_functional_train_step(loss, optax.sgd(0.0))
 
 
 def time_step(step, tables, sets, grad_output, iters):

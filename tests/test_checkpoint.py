@@ -27,8 +27,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import checkpoint as ckpt
+from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.ops import TableLayout
-from jaxrec.optim import FusedEmbeddingTables, RowWiseAdagrad
+from jaxrec.optim import RowWiseAdagrad
 
 
 def _is_key(x) -> bool:

@@ -68,3 +68,21 @@ def test_no_import_cycles_between_jaxrec_modules():
     for m in graph:
         graph[m] = {d for d in graph[m] if not m.startswith(d + ".")}
     assert cycles(graph) == []
+
+
+def test_parallel_builds_on_the_public_api_of_the_layers_below():
+    """jaxrec.parallel meets the collections through jaxrec.nn.TableCollection and the other
+    layers through their exported names: never another package's private module or name."""
+    private = []
+    for path in (SRC / "jaxrec" / "parallel").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.module
+                    and node.module.startswith("jaxrec") and not node.module.startswith("jaxrec.parallel")):
+                continue
+            names = [a.name for a in node.names]
+            parts = node.module.split(".")[1:]
+            if any(p.startswith("_") for p in parts) or any(n.startswith("_") for n in names):
+                if "_step_guard" not in (node.module, *names):  # shared by every layer
+                    private.append(f"{path.name}: from {node.module} import {', '.join(names)}")
+        private += [f"{path.name}: {m}" for m in ("._make(",) if m in path.read_text()]
+    assert private == []

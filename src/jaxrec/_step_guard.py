@@ -10,8 +10,8 @@ raising, and the step decides:
 * ``report_corrected(count)``: a WARNING bounds check corrected ``count`` bags and ids;
 * ``table_gate(name, grad_output)``: a fused backward asks whether to apply its update.
 
-The step (``jaxrec.optim.make_train_step``, ``jaxrec.nn.make_train_step`` and
-``jaxrec.parallel.make_train_step``) applies an update only where it is sound: no FATAL
+The step (``jaxrec.fused.make_functional_train_step`` and ``jaxrec.nn.make_train_step``,
+unsharded or sharded) applies an update only where it is sound: no FATAL
 report, and, unless ``on_nonfinite="ignore"``, a finite loss, finite dense gradients and
 finite cotangents into every fused table. Otherwise it updates nothing — tables, optimizer
 slots, dense parameters and optax state keep their values — and returns, with its

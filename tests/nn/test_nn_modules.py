@@ -14,6 +14,7 @@ from jaxrec.nn import (
     EmbeddingCollection,
     EmbeddingConfig,
     FusedTables,
+    set_learning_rate,
 )
 from jaxrec.ops import TableLayout, embedding_bag_lookup_kjt
 from jaxrec.optim import SGD
@@ -127,8 +128,8 @@ def test_errors_name_the_problem():
                                              feature_names=["b"])], rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="num_embeddings must be an int >= 1, got 0"):
         EmbeddingBagConfig(name="t", num_embeddings=0, embedding_dim=2, feature_names=["x"])
-    with pytest.raises(ValueError, match="plain tables"):
-        EmbeddingBagCollection(TABLES, rngs=nnx.Rngs(0)).set_learning_rate(0.1)
+    with pytest.raises(ValueError, match="no fused tables"):
+        set_learning_rate(EmbeddingBagCollection(TABLES, rngs=nnx.Rngs(0)), 0.1)
 
 
 def test_init_bounds_and_init_fn():

@@ -10,9 +10,8 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrec.nn import PartitionedOptimizer, make_train_step
-from jaxrec.nn._split_cache import SplitCache
-from jaxrec.nn._tables import FusedTables
+from jaxrec.nn import make_train_step
+from jaxrec.nn._split_cache import SplitCache, split_for_training
 
 
 class Scaled(nnx.Module):
@@ -41,7 +40,7 @@ def data(seed):
 
 
 def test_the_split_is_kept_until_something_is_reassigned():
-    model, cache = Scaled(nnx.Rngs(0)), SplitCache()
+    model, cache = Scaled(nnx.Rngs(0)), SplitCache(split_for_training)
     first = cache.split(model)
     assert cache.split(model) is first
     model.layers[0].kernel[...] = model.layers[0].kernel[...] + 1  # a value: same structure
@@ -63,7 +62,7 @@ def test_the_split_is_kept_until_something_is_reassigned():
         change(model)
         after = cache.split(model)
         assert after is not before
-        graphdef, *states = nnx.split(model, nnx.Param, FusedTables, ...)
+        graphdef, *states = split_for_training(model)
         assert after.graphdef == graphdef
         now = [jax.tree.leaves(s, is_leaf=lambda x: isinstance(x, nnx.Variable)) for s in states]
         assert all(a is b for kept, new in zip(after.variables, now)
@@ -75,7 +74,7 @@ def test_a_step_after_a_change_of_structure_trains_the_changed_model():
     """The nn step with a kept split against a model split afresh at every step."""
     model, reference = Scaled(nnx.Rngs(0)), Scaled(nnx.Rngs(0))
     step, tx = make_train_step(loss), optax.sgd(0.1)
-    opt, ref_opt = PartitionedOptimizer(model, tx), PartitionedOptimizer(reference, tx)
+    opt, ref_opt = nnx.Optimizer(model, tx, wrt=nnx.Param), nnx.Optimizer(reference, tx, wrt=nnx.Param)
     for i, scale in enumerate([1.0, 1.0, 3.0, 3.0, 0.5]):
         model.scale = reference.scale = scale
         x, y = data(i)
@@ -91,7 +90,7 @@ def test_a_step_after_a_change_of_structure_trains_the_changed_model():
 def test_values_set_between_steps_are_trained_from():
     model = Scaled(nnx.Rngs(0))
     step = make_train_step(loss)
-    opt = PartitionedOptimizer(model, optax.sgd(0.1))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     x, y = data(0)
     step(model, opt, x, y)
     fresh = Scaled(nnx.Rngs(7))
@@ -113,26 +112,29 @@ def test_the_cache_forgets_a_collected_model():
 
 def test_optimizer_state_set_between_steps_is_used():
     model = Scaled(nnx.Rngs(0))
-    opt = PartitionedOptimizer(model, optax.adam(0.1))
+    opt = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
     step = make_train_step(loss)
     x, y = data(0)
     step(model, opt, x, y)
-    count = int(opt.opt_state[0].count)
-    assert count == 1
-    opt.opt_state = opt.tx.init(nnx.state(model, nnx.Param))  # reset, as a restore would
+    assert int(opt.opt_state[0].count[...]) == 1 and int(opt.step[...]) == 1
+    fresh = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param)
+    nnx.update(opt, nnx.state(fresh))  # reset, as a restored checkpoint would
     step(model, opt, x, y)
-    assert int(opt.opt_state[0].count) == 1
+    assert int(opt.opt_state[0].count[...]) == 1 and int(opt.step[...]) == 1
+    opt.opt_state = nnx.Optimizer(model, optax.adam(0.1), wrt=nnx.Param).opt_state  # reassigned
+    step(model, opt, x, y)
+    assert int(opt.opt_state[0].count[...]) == 1
 
 
-@pytest.mark.parametrize("flat", [True, False])
-def test_flat_optimizer_state_round_trips(flat):
-    model = Scaled(nnx.Rngs(0))
-    opt = PartitionedOptimizer(model, optax.adam(0.1))
-    treedef, leaves = opt.flat_opt_state()
-    if flat:
-        opt.set_flat_opt_state(treedef, [x + 1 for x in leaves])
-        assert all(np.array_equal(np.asarray(a), np.asarray(b) + 1)
-                   for a, b in zip(jax.tree.leaves(opt.opt_state), leaves))
-    else:
-        assert opt.flat_opt_state()[1] is leaves  # kept until opt_state is set
+def test_an_optimizer_whose_wrt_selects_fused_tables_is_refused():
+    from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
+    from jaxrec.optim import SGD
+    from jaxrec.sparse import KeyedJaggedTensor
 
+    ebc = EmbeddingBagCollection([EmbeddingBagConfig(name="t", embedding_dim=4, num_embeddings=10,
+                                                     feature_names=["f"])],
+                                 optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
+    kjt = KeyedJaggedTensor(["f"], jnp.asarray([1, 2, 3]), lengths=jnp.asarray([2, 1]))
+    opt = nnx.Optimizer(ebc, optax.sgd(0.1), wrt=nnx.Variable)
+    with pytest.raises(ValueError, match="wrt=nnx.Param"):
+        make_train_step(lambda m, k: jnp.sum(m(k).values()))(ebc, opt, kjt)

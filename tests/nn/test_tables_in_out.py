@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 
 from jaxrec import optim
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, PartitionedOptimizer, make_train_step
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
 from jaxrec.ops import TableLayout
 from jaxrec.sparse import KeyedJaggedTensor
 
@@ -40,7 +40,7 @@ class Model(nnx.Module):
 
 
 def train(model, batches):
-    optimizer = PartitionedOptimizer(model, optax.sgd(0.0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
     step = make_train_step(lambda m, f, y: jnp.mean((m(f) - y) ** 2))
     for features, target in batches:
         step(model, optimizer, features, target)

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec import optim
+from jaxrec import fused, optim
 from jaxrec.ops import TableLayout, embedding_bag_sparse_grad
 
 # Three tables; features 0 and 2 share table 0, features 3 and 4 share table 2.
@@ -181,6 +181,6 @@ def jitted_update(config, layout=LAYOUT):
     """The fused reference under jit, hyperparameters traced."""
     @jax.jit
     def step(weights, state, grad, hparams):
-        return optim.fused_update_reference(weights, state, grad, layout=layout, config=config,
+        return fused.fused_update_reference(weights, state, grad, layout=layout, config=config,
                                             hparams=hparams)
     return step

@@ -15,9 +15,9 @@ import pytest
 from optim_testing import LAYOUT, from_jax, make, random_batch, random_tables, to_jax
 
 from jaxrec import optim
+from jaxrec.fused import fused_update
+from jaxrec.fused._update import _fused_update
 from jaxrec.ops import PoolingMode, TableLayout, embedding_bag_lookup
-from jaxrec.optim import fused_update
-from jaxrec.optim.fused_update import _fused_update
 
 # Features 0 and 2 share table 0: one dim, for pooling NONE.
 SEQ_LAYOUT = TableLayout(rows=(23, 9), dims=(8, 8), feature_table_map=(0, 1, 0))

@@ -25,7 +25,7 @@ import optax
 import pytest
 from optim_testing import HP, LAYOUT, jitted_update, make, merged_grads, random_batch, sparse_grad
 
-from jaxrec import optim
+from jaxrec import fused, optim
 
 LR, B1, B2, EPS, WD, ETA, MOM = (HP[k] for k in ("learning_rate", "beta1", "beta2", "eps",
                                                   "weight_decay", "eta", "momentum"))
@@ -49,7 +49,7 @@ CASES = {
 @pytest.mark.parametrize("path", ["reference", "kernel"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_touched_rows_match_optax(case, path, platform):
-    """Over several steps; ``kernel``: the fused CPU/CUDA kernel (optim.fused_update)."""
+    """Over several steps; ``kernel``: the fused CPU/CUDA kernel (fused.fused_update)."""
     config, tx, per_row, start = CASES[case]
     rng = np.random.default_rng(abs(hash(case)) % 2**31)
     tables = [rng.normal(0.0, 0.3, size=(r, d)).astype(np.float32)
@@ -70,8 +70,8 @@ def test_touched_rows_match_optax(case, path, platform):
     if path == "reference":
         update = jitted_update(config)
     else:
-        fused = jax.jit(functools.partial(optim.fused_update, layout=LAYOUT, config=config,
-                                          backend="kernel"))
+        kernel = jax.jit(functools.partial(fused.fused_update, layout=LAYOUT, config=config,
+                                           backend="kernel"))
 
     @jax.jit
     def optax_step(params, opt_state, grad):
@@ -85,7 +85,7 @@ def test_touched_rows_match_optax(case, path, platform):
         if path == "reference":
             weights, state = update(weights, state, grad, config.hyperparams())
         else:
-            weights, state = fused(weights, state, grad_output, indices, offsets)
+            weights, state = kernel(weights, state, grad_output, indices, offsets)
         params, opt_state = optax_step(params, opt_state, grad)
 
     got = [np.asarray(t) for t in LAYOUT.split_embedding_weights(weights)]

@@ -8,9 +8,9 @@ import optax
 import pytest
 from optim_testing import make, random_batch
 
-from jaxrec import optim
+from jaxrec import fused, optim
+from jaxrec.fused import fused_update
 from jaxrec.ops import TableLayout, embedding_bag_lookup
-from jaxrec.optim import fused_update
 
 LAYOUT = TableLayout(rows=(311, 97), dims=(8, 4), feature_table_map=(0, 1, 0))
 SCHEDULE = optax.linear_schedule(init_value=0.5, end_value=0.05, transition_steps=3)
@@ -27,15 +27,15 @@ def test_train_step_follows_the_schedule_with_one_compilation(platform, cls):
 
     def loss_fn(params, tables, indices, offsets):
         traces.append(1)  # runs once per trace: one trace, one compilation
-        acts = optim.fused_lookup(tables, indices, offsets)
+        acts = fused.fused_lookup(tables, indices, offsets)
         return jnp.mean(jnp.tanh(acts @ params) ** 2)
 
-    tables = optim.FusedEmbeddingTables.create(LAYOUT, make(cls, learning_rate=SCHEDULE),
+    tables = fused.FusedEmbeddingTables.create(LAYOUT, make(cls, learning_rate=SCHEDULE),
                                                key=jax.random.key(0))
     params = jax.random.normal(jax.random.key(1), (LAYOUT.total_dim,))
     dense = optax.sgd(0.0)  # the dense part stays put: the tables' update is under test
     opt_state = dense.init(params)
-    step = optim.make_train_step(loss_fn, dense)
+    step = fused.make_functional_train_step(loss_fn, dense)
     rates = []
     for k in range(5):
         indices, offsets = batch(k)
@@ -70,8 +70,8 @@ def test_a_scheduled_config_is_static_and_refuses_set_learning_rate():
     config = optim.RowWiseAdagrad(learning_rate=SCHEDULE)
     assert hash(config) == hash(optim.RowWiseAdagrad(learning_rate=SCHEDULE))
     np.testing.assert_allclose(config.hyperparams().learning_rate, 0.5)
-    tables = optim.FusedEmbeddingTables.create(LAYOUT, config, key=jax.random.key(0))
+    tables = fused.FusedEmbeddingTables.create(LAYOUT, config, key=jax.random.key(0))
     with pytest.raises(ValueError, match="follows the schedule"):
-        tables.set_learning_rate(0.1)
+        fused.set_learning_rate({"t": tables}, 0.1)
     with pytest.raises(TypeError, match="schedule"):
         optim.RowWiseAdagrad(learning_rate="0.1x")

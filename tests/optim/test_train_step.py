@@ -17,9 +17,9 @@ import optax
 import pytest
 from optim_testing import make, random_batch
 
-from jaxrec import optim
+from jaxrec import fused, optim
+from jaxrec.fused import fused_update
 from jaxrec.ops import TableLayout, embedding_bag_lookup
-from jaxrec.optim import fused_update
 
 LAYOUT = TableLayout(rows=(1031, 517), dims=(16, 8), feature_table_map=(0, 1, 0))
 OTHER = TableLayout(rows=(211,), dims=(12,), feature_table_map=(0,))
@@ -35,13 +35,13 @@ def dense_params(layout=LAYOUT):
 
 
 def loss_fn(params, tables, indices, offsets):
-    acts = optim.fused_lookup(tables, indices, offsets, pooling="mean")
+    acts = fused.fused_lookup(tables, indices, offsets, pooling="mean")
     return jnp.mean(jnp.tanh(acts @ params["w"] + params["b"]) ** 2)
 
 
 def new_tables(config=None, name="tables", layout=LAYOUT, seed=0):
     config = config or make(optim.RowWiseAdagrad, learning_rate=0.5)
-    return optim.FusedEmbeddingTables.create(layout, config, key=jax.random.key(seed), name=name)
+    return fused.FusedEmbeddingTables.create(layout, config, key=jax.random.key(seed), name=name)
 
 
 def copy(tree):
@@ -51,7 +51,7 @@ def copy(tree):
 def test_step_equals_the_explicit_form_and_optax(platform):
     tables, params, dense = new_tables(), dense_params(), optax.adam(0.01)
     opt_state = dense.init(params)
-    step = optim.make_train_step(loss_fn, dense)
+    step = fused.make_functional_train_step(loss_fn, dense)
     for seed in range(3):
         indices, offsets = batch(seed)
         # The explicit form, from copies (the step donates its arguments).
@@ -81,7 +81,7 @@ def test_step_equals_the_explicit_form_and_optax(platform):
 def test_step_updates_tables_in_place(platform, config):
     tables, params, dense = new_tables(config), dense_params(), optax.sgd(0.1)
     opt_state = dense.init(params)
-    step = optim.make_train_step(loss_fn, dense)
+    step = fused.make_functional_train_step(loss_fn, dense)
     indices, offsets = batch(0)
     hlo = step.lower(params, opt_state, tables, indices, offsets).compile().as_text()
     table_shape = f"f32[{LAYOUT.num_weights}]"
@@ -101,7 +101,7 @@ def test_step_updates_tables_in_place(platform, config):
 def test_without_donation_the_step_copies_the_tables(platform):
     """What donation saves: the undonated step must keep the old tables and copies them."""
     tables, params, dense = new_tables(), dense_params(), optax.sgd(0.1)
-    step = optim.make_train_step(loss_fn, dense, donate=False)
+    step = fused.make_functional_train_step(loss_fn, dense, donate=False)
     indices, offsets = batch(0)
     before = tables.weights.unsafe_buffer_pointer()
     _, _, updated, _ = step(params, dense.init(params), tables, indices, offsets)
@@ -115,12 +115,12 @@ def test_unused_lookup_leaves_tables_unchanged(platform):
     other_indices, other_offsets = batch(7, OTHER)
 
     def loss(params, tables, indices, offsets):
-        dead = optim.fused_lookup(tables["unused"], other_indices, other_offsets)  # never reaches the loss
+        dead = fused.fused_lookup(tables["unused"], other_indices, other_offsets)  # never reaches the loss
         del dead
         return loss_fn(params, tables["used"], indices, offsets)
 
     before = copy({"used": used, "unused": unused})
-    step = optim.make_train_step(loss, dense)
+    step = fused.make_functional_train_step(loss, dense)
     _, _, after, _ = step(params, dense.init(params), {"used": used, "unused": unused}, *batch(0))
     np.testing.assert_array_equal(after["unused"].weights, before["unused"].weights)
     np.testing.assert_array_equal(after["unused"].state.momentum1, before["unused"].state.momentum1)
@@ -132,16 +132,16 @@ def test_unused_lookup_leaves_tables_unchanged(platform):
 def test_unused_lookup_with_adam_keeps_its_moments(platform):
     """A zero gradient would still decay Adam's moments and move the rows: it must not run."""
     tables = new_tables(make(optim.Adam), name="t")
-    trained = optim.make_train_step(loss_fn, optax.sgd(0.1))
+    trained = fused.make_functional_train_step(loss_fn, optax.sgd(0.1))
     params = dense_params()
     params, _, tables, _ = trained(params, optax.sgd(0.1).init(params), tables, *batch(0))
     before = copy(tables)
 
     def ignores_tables(params, tables, indices, offsets):
-        optim.fused_lookup(tables, indices, offsets)
+        fused.fused_lookup(tables, indices, offsets)
         return jnp.sum(params["w"] ** 2)
 
-    step = optim.make_train_step(ignores_tables, optax.sgd(0.1))
+    step = fused.make_functional_train_step(ignores_tables, optax.sgd(0.1))
     _, _, after, _ = step(params, optax.sgd(0.1).init(params), tables, *batch(1))
     for field in ("weights",):
         np.testing.assert_array_equal(getattr(after, field), getattr(before, field))
@@ -156,30 +156,30 @@ def test_two_lookups_of_one_table_raise(platform):
     def twice(params, tables, indices, offsets):
         return loss_fn(params, tables, indices, offsets) + loss_fn(params, tables, indices, offsets)
 
-    step = optim.make_train_step(twice, optax.sgd(0.1), donate=False)
+    step = fused.make_functional_train_step(twice, optax.sgd(0.1), donate=False)
     with pytest.raises(ValueError, match="looked up .* times in one loss"):
         step(params, optax.sgd(0.1).init(params), tables, *batch(0))
 
 
 def test_duplicate_table_names_raise(platform):
     a, b = new_tables(name="same"), new_tables(name="same", seed=1)
-    vg = optim.fused_value_and_grad(lambda p, t: jnp.sum(optim.fused_lookup(t[0], *batch(0))))
+    vg = fused.fused_value_and_grad(lambda p, t: jnp.sum(fused.fused_lookup(t[0], *batch(0))))
     with pytest.raises(ValueError, match="names must be unique"):
         vg(dense_params(), (a, b))
 
 
 def test_plain_grad_raises():
     tables = new_tables()
-    with pytest.raises(RuntimeError, match="outside jaxrec.optim.fused_value_and_grad"):
+    with pytest.raises(RuntimeError, match="outside jaxrec.fused.fused_value_and_grad"):
         jax.grad(loss_fn, argnums=1, allow_int=True)(dense_params(), tables, *batch(0))
 
 
 def test_learning_rate_changes_without_recompiling(platform):
     tables, params, dense = new_tables(make(optim.SGD)), dense_params(), optax.sgd(0.0)
-    step = optim.make_train_step(loss_fn, dense)
+    step = fused.make_functional_train_step(loss_fn, dense)
     opt_state = dense.init(params)
     params, opt_state, tables, _ = step(params, opt_state, tables, *batch(0))
-    tables = tables.set_learning_rate(0.0)
+    tables = fused.set_learning_rate(tables, 0.0)
     before = tables.weights.copy()
     params, opt_state, tables, _ = step(params, opt_state, tables, *batch(1))
     np.testing.assert_array_equal(tables.weights, before)  # lr 0: nothing moves
@@ -200,8 +200,8 @@ def test_state_access_like_fbgemm():
 def test_create_from_the_callers_weights_leaves_them_alive_after_a_donating_step():
     mine = jax.random.normal(jax.random.key(4), (LAYOUT.num_weights,))
     kept = np.asarray(jax.random.normal(jax.random.key(4), (LAYOUT.num_weights,)))  # no view of mine
-    tables = optim.FusedEmbeddingTables.create(LAYOUT, make(optim.SGD, learning_rate=0.1), weights=mine)
+    tables = fused.FusedEmbeddingTables.create(LAYOUT, make(optim.SGD, learning_rate=0.1), weights=mine)
     params, dense = dense_params(), optax.sgd(0.0)
-    step = optim.make_train_step(loss_fn, dense)
+    step = fused.make_functional_train_step(loss_fn, dense)
     step(params, dense.init(params), tables, *batch(0))
     np.testing.assert_array_equal(np.asarray(mine), kept)  # reading a donated array would raise

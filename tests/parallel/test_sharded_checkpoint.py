@@ -13,11 +13,11 @@ import jax
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from parallel_testing import TABLES, build, mesh, plan
 
 import jaxrec.parallel as par
 from jaxrec import checkpoint
-from jaxrec.nn import PartitionedOptimizer
 from jaxrec.optim import RowWiseAdagrad
 
 OPTIMIZER = RowWiseAdagrad(learning_rate=0.1)
@@ -32,7 +32,7 @@ def model_on(n: int, start: int, how: str):
     else:
         p = plan(how, n)
     model = par.shard(build(OPTIMIZER), p, mesh(n, start))
-    return model, PartitionedOptimizer(model, optax.adam(1e-3))
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
 
 
 def randomised(state, seed):
@@ -94,7 +94,7 @@ def test_a_sharded_checkpoint_restores_into_the_unsharded_model(tmp_path):
     saved = par.portable_state(model8, opt8)
     checkpoint.save_checkpoint(tmp_path / "a", 1, saved)
     single = build(OPTIMIZER)  # the same model, not sharded: one device, plain collections
-    single_opt = PartitionedOptimizer(single, optax.adam(1e-3))
+    single_opt = nnx.Optimizer(single, optax.adam(1e-3), wrt=nnx.Param)
     restored, _ = checkpoint.restore_checkpoint(tmp_path / "a", par.portable_state(single, single_opt))
     par.load_portable_state(single, restored, single_opt)
     assert_bits_equal(par.portable_state(single, single_opt), saved)
@@ -105,6 +105,6 @@ def test_a_sharded_checkpoint_restores_into_the_unsharded_model(tmp_path):
 def test_stateful_optax_on_plain_sharded_tables_is_not_portable():
     model = par.shard(build(None), plan("row_wise"), mesh())
     with pytest.raises(NotImplementedError, match="not portable"):
-        par.portable_state(model, PartitionedOptimizer(model, optax.adagrad(0.1)))
-    state = par.portable_state(model, PartitionedOptimizer(model, optax.sgd(0.1)))
+        par.portable_state(model, nnx.Optimizer(model, optax.adagrad(0.1), wrt=nnx.Param))
+    state = par.portable_state(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     assert state["model"]["sparse_arch"]["tables"]["t_x"]["weights"].shape == (50, 8)

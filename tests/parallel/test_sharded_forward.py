@@ -28,7 +28,7 @@ from parallel_testing import (
 )
 
 import jaxrec.parallel as par
-from jaxrec.nn import EmbeddingBagCollection, PartitionedOptimizer
+from jaxrec.nn import EmbeddingBagCollection, make_train_step
 from jaxrec.optim import SGD, RowWiseAdagrad
 from jaxrec.parallel._row_return import request_keys
 from jaxrec.sparse import KeyedJaggedTensor
@@ -141,8 +141,8 @@ def test_a_batch_past_the_row_return_capacity_is_refused_or_counted():
             TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0), max_ids_per_bag=1,
             bounds_check_mode=mode, optimizer=SGD(learning_rate=0.1))
         batch = par.shard_batch(sizing, mesh(), model=sharded)  # one distinct row per slot
-        step = par.make_train_step(lambda m, k: jnp.sum(m(k).values() ** 2))
-        opt = PartitionedOptimizer(sharded, optax.sgd(0.0))
+        step = make_train_step(lambda m, k: jnp.sum(m(k).values() ** 2))
+        opt = nnx.Optimizer(sharded, optax.sgd(0.0), wrt=nnx.Param)
         step(sharded, opt, batch)
         assert int(sharded.dropped_ids.get_value()) == 0
         crowded_batch = par.shard_batch(crowded, mesh())
@@ -293,5 +293,5 @@ def test_errors_say_how_to_fix_them():
     model = par.shard(build(SGD(learning_rate=0.1)), plan("rows"), mesh())
     model.extra = EmbeddingBagCollection(TABLES, optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=r"unsharded collections with fused tables \['extra'\]"):
-        par.make_train_step(lambda m, b: 0.0)(model, PartitionedOptimizer(model, optax.sgd(0.1)),
+        make_train_step(lambda m, b: 0.0)(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param),
                                               par.shard_batch(random_batch(0, weighted=False), mesh()))

@@ -11,9 +11,10 @@ from flax import nnx
 from parallel_testing import KEYS, B, N, build, mesh, plan, random_batch, squared_error
 
 import jaxrec.parallel as par
+from jaxrec import NonFiniteError
 from jaxrec.data import Batch
-from jaxrec.nn import PartitionedOptimizer
-from jaxrec.optim import NonFiniteError, RowWiseAdagrad
+from jaxrec.nn import make_train_step
+from jaxrec.optim import RowWiseAdagrad
 from jaxrec.sparse import KeyedJaggedTensor
 
 
@@ -42,8 +43,8 @@ def with_bad_id(batch: Batch, device: int) -> Batch:
 @pytest.mark.parametrize("case", ["fatal", "nan"])
 def test_a_bad_device_skips_the_step_everywhere(case):
     model = sharded("FATAL" if case == "fatal" else "WARNING")
-    optimizer = PartitionedOptimizer(model, optax.adam(0.01))
-    step = par.make_train_step(lambda m, b: squared_error(m, b, N * B))
+    optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+    step = make_train_step(lambda m, b: squared_error(m, b, N * B))
     step(model, optimizer, par.shard_batch(random_batch(1, weighted=True), mesh()))
     step.check()
     before = snapshot(model, optimizer)

@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 from jaxrec import optim
+from jaxrec.fused._update import _fused_update
 from jaxrec.ops import PoolingMode, TableLayout, embedding_bag_lookup
 from jaxrec.ops.tbe_sparse_grad import embedding_bag_sparse_grad
-from jaxrec.optim.fused_update import _fused_update
 
 LAYOUT = TableLayout(rows=(11, 5, 17, 7), dims=(4, 3, 8, 2), feature_table_map=(0, 1, 2, 1))
 CANARY = 3

@@ -14,7 +14,7 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, PartitionedOptimizer, make_train_step
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
 from jaxrec.optim import SGD
 from jaxrec.sparse import KeyedJaggedTensor
 
@@ -105,7 +105,7 @@ class _Model(nnx.Module):
 def test_fused_train_step_writes_only_the_rows_its_ids_name(platform, mode):
     model = _Model(EmbeddingBagCollection(TABLES, optimizer=SGD(learning_rate=0.5), bounds_check_mode=mode,
                                           rngs=nnx.Rngs(2)))
-    optimizer = PartitionedOptimizer(model, optax.sgd(0.0))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
     step = make_train_step(lambda m, kjt, y: jnp.mean((m(kjt) - y) ** 2))
     rng = np.random.default_rng(12)
     for trial in range(4):

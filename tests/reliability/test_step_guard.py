@@ -15,16 +15,15 @@ import optax
 import pytest
 from flax import nnx
 
-from jaxrec import optim
+from jaxrec import NonFiniteError, fused, optim
 from jaxrec.models import DLRM
 from jaxrec.nn import (
     EmbeddingBagCollection,
     EmbeddingBagConfig,
-    PartitionedOptimizer,
     TTConfig,
     make_train_step,
 )
-from jaxrec.optim import Adam, NonFiniteError, RowWiseAdagrad
+from jaxrec.optim import Adam, RowWiseAdagrad
 from jaxrec.sparse import KeyedJaggedTensor
 
 KEYS = ["user", "item", "geo"]
@@ -98,7 +97,7 @@ def test_fatal_bad_id_leaves_model_usable(platform, name):
     with jax.default_device(jax.devices(platform)[0]):
         rng = np.random.default_rng(1)
         model = model_of(OPTIMIZERS[name], mode="FATAL")
-        optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         step = make_train_step(bce)
         step(model, optimizer, *batch_of(rng))
         step.check()
@@ -116,7 +115,7 @@ def test_fatal_bad_id_leaves_model_usable(platform, name):
 def test_fatal_error_raised_by_the_next_call():
     rng = np.random.default_rng(2)
     model = model_of(RowWiseAdagrad(learning_rate=0.1), mode="FATAL")
-    optimizer = PartitionedOptimizer(model, optax.sgd(0.1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = make_train_step(bce)
     before = snapshot(model, optimizer)
     step(model, optimizer, *batch_of(rng, bad_id=-7))
@@ -137,7 +136,7 @@ def test_nan_per_sample_weight_skips_the_whole_update(platform, tt, name):
         rng = np.random.default_rng(3)
         config = (optim.Adagrad(learning_rate=0.1) if tt else OPTIMIZERS[name])
         model = model_of(config, tt=tt)
-        optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+        optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
         step = make_train_step(bce)
         step(model, optimizer, *batch_of(rng, weights=True))
         step.check()
@@ -153,7 +152,7 @@ def test_nan_per_sample_weight_skips_the_whole_update(platform, tt, name):
 def test_skip_counts_and_goes_on():
     rng = np.random.default_rng(4)
     model = model_of(RowWiseAdagrad(learning_rate=0.1))
-    optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = make_train_step(bce, on_nonfinite="skip")
     step(model, optimizer, *batch_of(rng))
     step.check()
@@ -170,7 +169,7 @@ def test_skip_counts_and_goes_on():
 def test_ignore_applies_the_nan():
     rng = np.random.default_rng(5)
     model = model_of(RowWiseAdagrad(learning_rate=0.1))
-    optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = make_train_step(bce, on_nonfinite="ignore")
     step(model, optimizer, *batch_of(rng, nan_dense=True))
     step.check()  # ignore never checks: the NaN reaches the parameters
@@ -181,7 +180,7 @@ def test_ignore_applies_the_nan():
 def test_huge_learning_rate_stops_with_finite_model():
     rng = np.random.default_rng(6)
     model = model_of(RowWiseAdagrad(learning_rate=1e25))
-    optimizer = PartitionedOptimizer(model, optax.sgd(1e25))
+    optimizer = nnx.Optimizer(model, optax.sgd(1e25), wrt=nnx.Param)
     step = make_train_step(bce)
     with pytest.raises(NonFiniteError):
         for _ in range(20):
@@ -193,7 +192,7 @@ def test_huge_learning_rate_stops_with_finite_model():
 def test_warning_corrections_are_counted():
     rng = np.random.default_rng(7)
     model = model_of(RowWiseAdagrad(learning_rate=0.1), mode="WARNING")
-    optimizer = PartitionedOptimizer(model, optax.adam(1e-2))
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = make_train_step(bce)
     step(model, optimizer, *batch_of(rng, bad_id=ROWS["user"] + 3))
     step(model, optimizer, *batch_of(rng, bad_id=-1))
@@ -203,18 +202,18 @@ def test_warning_corrections_are_counted():
 
 
 def test_functional_step_fatal_and_nan():
-    """jaxrec.optim.make_train_step: the pytree form keeps the donated tables usable."""
+    """jaxrec.fused.make_functional_train_step: the pytree form keeps the donated tables usable."""
     from jaxrec.ops import TableLayout
 
     layout = TableLayout.from_embedding_specs([(30, 8), (11, 4)])
-    tables = optim.FusedEmbeddingTables.create(layout, Adam(learning_rate=0.01),
+    tables = fused.FusedEmbeddingTables.create(layout, Adam(learning_rate=0.01),
                                                key=jax.random.key(0))
     params = {"w": jax.random.normal(jax.random.key(1), (12,))}
     dense = optax.sgd(0.1)
     rng = np.random.default_rng(8)
 
     def loss_fn(params, tables, indices, offsets, psw):
-        acts = optim.fused_lookup(tables, indices, offsets, per_sample_weights=psw,
+        acts = fused.fused_lookup(tables, indices, offsets, per_sample_weights=psw,
                                   bounds_check_mode="FATAL")
         return jnp.mean((acts @ params["w"]) ** 2)
 
@@ -230,7 +229,7 @@ def test_functional_step_fatal_and_nan():
             psw[0] = np.nan
         return values, offsets, psw
 
-    step = optim.make_train_step(loss_fn, dense)
+    step = fused.make_functional_train_step(loss_fn, dense)
     opt_state = dense.init(params)
     params, opt_state, tables, _ = step(params, opt_state, tables, *batch())
     step.check()

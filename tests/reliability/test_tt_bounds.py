@@ -8,9 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from jaxrec.fused import TTEmbeddingTables, make_functional_train_step, tt_fused_lookup
 from jaxrec.ops import TTLayout
 from jaxrec.ops.tt_cache import EMPTY
-from jaxrec.optim import SGD, Adagrad, TTEmbeddingTables, make_train_step, tt_fused_lookup
+from jaxrec.optim import SGD, Adagrad
 
 LAYOUT = TTLayout.create(60, 8, [4], [4, 15], [2, 4])
 
@@ -31,7 +32,7 @@ def train(config, loss_of_acts, batches, cache_size=0):
         return loss_of_acts(acts) + 0.0 * params["x"]
 
     params, dense = {"x": jnp.ones(())}, optax.sgd(0.0)
-    step, opt_state = make_train_step(loss_fn, dense), dense.init(params)
+    step, opt_state = make_functional_train_step(loss_fn, dense), dense.init(params)
     for indices, offsets in batches:
         params, opt_state, tables, _ = step(params, opt_state, tables, indices, offsets)
     step.check()

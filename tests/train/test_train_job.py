@@ -34,13 +34,11 @@ def test_default_command_learns_and_writes_its_outputs(tmp_path, capsys):
 
 
 def model_state(config, directory, step):
-    task = build_task(config)
-    target = {"model": nnx.state(task.model), "opt_state": None}
-    from jaxrec.nn import PartitionedOptimizer
-    from jaxrec.train._loop import _DENSE
+    from jaxrec.train._loop import _DENSE, _state
 
-    target["opt_state"] = PartitionedOptimizer(
-        task.model, _DENSE[config.dense_optimizer](config.dense_learning_rate)).opt_state
+    task = build_task(config)
+    tx = _DENSE[config.dense_optimizer](config.dense_learning_rate)
+    target = _state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
     state, meta = restore_checkpoint(directory, target, step=step)
     return state, meta
 

@@ -17,9 +17,9 @@ import re
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxrec.checkpoint import CheckpointLock, all_steps, restore_checkpoint, save_checkpoint
-from jaxrec.nn import PartitionedOptimizer
 from jaxrec.train import TrainConfig, TrainingStopped, _loop, main, train
 from jaxrec.train._tasks import build_task
 
@@ -51,7 +51,7 @@ def config(ratings, tmp_path, **changes) -> TrainConfig:
 
 def checkpoint_state(conf: TrainConfig, step: int):
     task = build_task(conf)
-    optimizer = PartitionedOptimizer(task.model, _loop._DENSE[conf.dense_optimizer](1.0))
+    optimizer = nnx.Optimizer(task.model, _loop._DENSE[conf.dense_optimizer](1.0), wrt=nnx.Param)
     return restore_checkpoint(conf.checkpoint_dir, _loop._state(task.model, optimizer),
                               step=step)
 

@@ -30,7 +30,7 @@ from tt_testing import (
     zipf_ids,
 )
 
-from jaxrec import optim
+from jaxrec import fused, optim
 from jaxrec.ops import PoolingMode, tt_embedding_bag, tt_full_weight, tt_rows
 from jaxrec.ops.tt_cache import EMPTY
 
@@ -80,7 +80,7 @@ def _losses(pooling, num_features):
         return jnp.mean((jnp.tanh(out) @ params["w"] - target) ** 2)
 
     def fused(params, tables, indices, offsets, psw, target):
-        out = optim.tt_fused_lookup(tables, indices, offsets, pooling=pooling, per_sample_weights=psw,
+        out = fused.tt_fused_lookup(tables, indices, offsets, pooling=pooling, per_sample_weights=psw,
                                     num_features=num_features)
         return head(params, out, target)
 
@@ -105,8 +105,8 @@ def test_fused_steps_equal_optax_on_the_cores(name, pooling, weighted, num_featu
     fused_loss, plain_loss = _losses(pooling, num_features)
     dense = optax.sgd(DENSE_LR)
 
-    tables = optim.TTEmbeddingTables.create(LAY, config, cores=cores)
-    step = optim.make_train_step(fused_loss, dense)
+    tables = fused.TTEmbeddingTables.create(LAY, config, cores=cores)
+    step = fused.make_functional_train_step(fused_loss, dense)
     opt_state = dense.init(params)
 
     core_opt = optax.sgd(LR)
@@ -145,20 +145,20 @@ def test_fused_steps_equal_optax_on_the_cores(name, pooling, weighted, num_featu
 
 
 def test_a_lookup_that_does_not_reach_the_loss_changes_nothing():
-    make = lambda name, seed: optim.TTEmbeddingTables.create(
+    make = lambda name, seed: fused.TTEmbeddingTables.create(
         LAY, CONFIGS["adagrad"], cores=random_cores(np.random.default_rng(seed), LAY), name=name)
     tables = {"used": make("used", 4), "unused": make("unused", 5), "absent": make("absent", 6)}
     before = copy(tables)
     (indices, offsets, _), = batch_stream(7, 1, False, steps=1)
 
     def loss_fn(params, tables, indices, offsets):
-        out = optim.tt_fused_lookup(tables["used"], indices, offsets)
-        optim.tt_fused_lookup(tables["unused"], indices, offsets)  # computed, not used
+        out = fused.tt_fused_lookup(tables["used"], indices, offsets)
+        fused.tt_fused_lookup(tables["unused"], indices, offsets)  # computed, not used
         return jnp.sum(out**2) * params["s"]
 
     dense = optax.sgd(0.1)
     params = {"s": jnp.float32(1.5)}
-    step = optim.make_train_step(loss_fn, dense)
+    step = fused.make_functional_train_step(loss_fn, dense)
     _, _, after, _ = step(params, dense.init(params), tables, indices, offsets)
     assert int(after["used"].step) == 1
     assert rel_err(after["used"].cores[1], before["used"].cores[1]) > 1e-3
@@ -168,23 +168,23 @@ def test_a_lookup_that_does_not_reach_the_loss_changes_nothing():
             np.testing.assert_array_equal(got, want)
 
     def twice(params, tables, indices, offsets):
-        return jnp.sum(optim.tt_fused_lookup(tables["used"], indices, offsets)) + jnp.sum(
-            optim.tt_fused_lookup(tables["used"], indices, offsets))
+        return jnp.sum(fused.tt_fused_lookup(tables["used"], indices, offsets)) + jnp.sum(
+            fused.tt_fused_lookup(tables["used"], indices, offsets))
 
     with pytest.raises(ValueError, match="looked up"):
-        jax.eval_shape(optim.fused_value_and_grad(twice), params, before, indices, offsets)
+        jax.eval_shape(fused.fused_value_and_grad(twice), params, before, indices, offsets)
 
 
 def test_create_errors():
     with pytest.raises(TypeError, match="SGD or Adagrad"):
-        optim.TTEmbeddingTables.create(LAY, optim.RowWiseAdagrad(), key=jax.random.key(0))
+        fused.TTEmbeddingTables.create(LAY, optim.RowWiseAdagrad(), key=jax.random.key(0))
     with pytest.raises(ValueError, match="key="):
-        optim.TTEmbeddingTables.create(LAY, optim.SGD())
+        fused.TTEmbeddingTables.create(LAY, optim.SGD())
     with pytest.raises(ValueError, match=r"cores\[0\]"):
-        optim.TTEmbeddingTables.create(LAY, optim.SGD(), cores=[np.ones((1, 2, 3, 4), np.float32)] * 3)
+        fused.TTEmbeddingTables.create(LAY, optim.SGD(), cores=[np.ones((1, 2, 3, 4), np.float32)] * 3)
     with pytest.raises(RuntimeError, match="fused_value_and_grad"):
-        tables = optim.TTEmbeddingTables.create(LAY, optim.SGD(), cores=random_cores(np.random.default_rng(0), LAY))
-        jax.eval_shape(jax.grad(lambda t: jnp.sum(optim.tt_fused_lookup(
+        tables = fused.TTEmbeddingTables.create(LAY, optim.SGD(), cores=random_cores(np.random.default_rng(0), LAY))
+        jax.eval_shape(jax.grad(lambda t: jnp.sum(fused.tt_fused_lookup(
             t, np.array([1], np.int32), np.array([0, 1], np.int32))), allow_int=True), tables)
 
 
@@ -230,11 +230,11 @@ def _linear_step(name, pooling, num_features, weighted):
     """Jitted ``fused_value_and_grad`` of ``sum(g * lookup)``; ``params["psw"]`` are the weights."""
 
     def loss_fn(params, tables, indices, offsets, g):
-        out = optim.tt_fused_lookup(tables, indices, offsets, pooling=pooling, num_features=num_features,
+        out = fused.tt_fused_lookup(tables, indices, offsets, pooling=pooling, num_features=num_features,
                                     per_sample_weights=params["psw"] if weighted else None)
         return jnp.sum(out * g)
 
-    return jax.jit(optim.fused_value_and_grad(loss_fn))
+    return jax.jit(fused.fused_value_and_grad(loss_fn))
 
 
 populate = jax.jit(lambda tables: tables.cache_populate())
@@ -253,7 +253,7 @@ def _tt_grads(cores, w, indices, offsets, g, *, pooling, num_features):
 def test_cache_counts_populate_serve_and_train(name, pooling, weighted, num_features):
     config = CONFIGS[name]
     rng = np.random.default_rng(8)
-    tables = optim.TTEmbeddingTables.create(LAY, config, cores=random_cores(rng, LAY),
+    tables = fused.TTEmbeddingTables.create(LAY, config, cores=random_cores(rng, LAY),
                                             cache_size=CACHE_SIZE, hashtbl_size=256)
     vg = _linear_step(name, pooling, num_features, weighted)
     stream = zipf_stream(9, num_features, weighted, steps=5)
@@ -288,7 +288,7 @@ def test_cache_counts_populate_serve_and_train(name, pooling, weighted, num_feat
     indices, offsets, psw = stream[3]
     valid = np.arange(len(indices)) < offsets[-1]
     assert float(tables.cache_hit_rate(indices, valid)) > 0.3
-    served = jax.jit(functools.partial(optim.tt_fused_lookup, pooling=pooling, num_features=num_features))(
+    served = jax.jit(functools.partial(fused.tt_fused_lookup, pooling=pooling, num_features=num_features))(
         tables, indices, offsets, per_sample_weights=psw)
     cores_out = jax.jit(functools.partial(tt_embedding_bag, layout=LAY, pooling=pooling,
                                           num_features=num_features))(
@@ -398,18 +398,18 @@ def test_training_with_and_without_the_cache_fits_a_dense_table():
         return indices, offsets, pool_numpy(target_table, indices, offsets, SUM).astype(np.float32)
 
     def loss_fn(params, tables, indices, offsets, target):
-        out = optim.tt_fused_lookup(tables, indices, offsets)
+        out = fused.tt_fused_lookup(tables, indices, offsets)
         return jnp.mean(jnp.sum((out - target) ** 2, axis=1))
 
     batches = [make_batch(np.random.default_rng(i)) for i in range(150)]
     held_out = make_batch(np.random.default_rng(999))
     evaluate = jax.jit(lambda t: loss_fn(None, t, *held_out))
-    step = optim.make_train_step(loss_fn, optax.sgd(0.0))
+    step = fused.make_functional_train_step(loss_fn, optax.sgd(0.0))
     cores = random_cores(np.random.default_rng(7), lay, row_std=0.5)
 
     results = {}
     for cache_size in (0, 6):
-        tables = optim.TTEmbeddingTables.create(lay, optim.SGD(learning_rate=0.1), cores=cores,
+        tables = fused.TTEmbeddingTables.create(lay, optim.SGD(learning_rate=0.1), cores=cores,
                                                 cache_size=cache_size, hashtbl_size=64 if cache_size else 0)
         start = float(evaluate(tables))
         params, opt_state = {}, optax.sgd(0.0).init({})
@@ -483,13 +483,13 @@ def test_kernel_fused_steps_match_reference(cuda, name, pooling, weighted, cache
     results = {}
     for backend in ("kernel", "reference"):
         def loss_fn(params, tables, indices, offsets, psw, g, backend=backend):
-            out = optim.tt_fused_lookup(tables, indices, offsets, pooling=pooling, per_sample_weights=psw,
+            out = fused.tt_fused_lookup(tables, indices, offsets, pooling=pooling, per_sample_weights=psw,
                                         backend=backend)
             return jnp.sum(jnp.tanh(out) * g)
 
-        tables = optim.TTEmbeddingTables.create(lay, KERNEL_CONFIGS[name], cores=cores,
+        tables = fused.TTEmbeddingTables.create(lay, KERNEL_CONFIGS[name], cores=cores,
                                                 cache_size=cache_size)
-        step = optim.make_train_step(loss_fn, optax.sgd(0.0))
+        step = fused.make_functional_train_step(loss_fn, optax.sgd(0.0))
         params, opt_state, losses = {}, optax.sgd(0.0).init({}), []
         for i, batch in enumerate(batches):
             if cache_size and i == 1:
@@ -525,8 +525,8 @@ def test_a_scheduled_rate_trains_the_cores_as_optax_sgd_with_the_schedule():
     targets = [rng.normal(size=(5, 2)).astype(np.float32) for _ in stream]
     fused_loss, plain_loss = _losses(SUM, 1)
     dense = optax.sgd(0.0)
-    tables = optim.TTEmbeddingTables.create(LAY, optim.SGD(learning_rate=schedule), cores=cores)
-    step = optim.make_train_step(fused_loss, dense)
+    tables = fused.TTEmbeddingTables.create(LAY, optim.SGD(learning_rate=schedule), cores=cores)
+    step = fused.make_functional_train_step(fused_loss, dense)
     opt_state = dense.init(params)
     core_opt = optax.sgd(schedule)
     want_c = tuple(jnp.asarray(c) for c in cores)
@@ -546,11 +546,11 @@ def test_create_from_the_callers_cores_leaves_them_alive_after_a_donating_step()
     rng = np.random.default_rng(9)
     kept = random_cores(rng, LAY)  # host copies: no view of the device arrays below
     mine = tuple(jnp.asarray(c) for c in kept)
-    tables = optim.TTEmbeddingTables.create(LAY, optim.SGD(learning_rate=LR), cores=mine)
+    tables = fused.TTEmbeddingTables.create(LAY, optim.SGD(learning_rate=LR), cores=mine)
     fused_loss, _ = _losses(SUM, 1)
     params = {"w": jnp.ones((LAY.embedding_dim, 2), jnp.float32)}
     dense = optax.sgd(0.0)
-    step = optim.make_train_step(fused_loss, dense)
+    step = fused.make_functional_train_step(fused_loss, dense)
     (indices, offsets, psw), = batch_stream(3, 1, False, steps=1)
     step(params, dense.init(params), tables, indices, offsets, psw, np.zeros((5, 2), np.float32))
     for c, k in zip(mine, kept):

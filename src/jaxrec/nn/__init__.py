@@ -5,8 +5,12 @@
 - ``EmbeddingCollection``: ``KeyedJaggedTensor -> {feature: JaggedTensor}`` (one row per id).
   Both hold their tables as ``nnx.Param`` (plain: optax trains them) or as ``FusedTables``
   (fused: the optimizer runs inside the backward, in place).
-- ``PartitionedOptimizer`` + ``make_train_step``: optax on the dense parameters, the fused
-  update on the tables, one jitted and donating step.
+- ``make_train_step``: one jitted, donating step for any model, unsharded or sharded
+  (``jaxrec.parallel.shard``), with Flax's ``nnx.Optimizer(model, tx, wrt=nnx.Param)``
+  training the parameters and the fused tables training themselves;
+  ``set_learning_rate(model, rate)`` sets the fused tables' rate.
+- ``TableCollection``: what every collection offers (weights and optimizer state in and
+  out, the portable form); sharded collections and new table kinds implement it.
 - ``TTEmbeddingBag``: FBTT's tensor-train compressed embedding bag; inside a collection,
   a table becomes TT with ``EmbeddingBagConfig(tt=TTConfig(...))``.
 - ``MLP``, ``LowRankCrossNet``: the dense building blocks of DLRM and DCN.
@@ -14,12 +18,13 @@
 Linen users: wrap a module with ``flax.nnx.bridge.to_linen`` (docs/nn.md).
 """
 
+from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingBagConfig, EmbeddingConfig, TTConfig
 from jaxrec.nn._embedding_bag_collection import EmbeddingBagCollection
 from jaxrec.nn._embedding_collection import EmbeddingCollection
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._layers import MLP, LowRankCrossNet
-from jaxrec.nn._train import PartitionedOptimizer, TrainStep, make_train_step
+from jaxrec.nn._train import TrainStep, make_train_step, set_learning_rate
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 
 __all__ = [
@@ -30,9 +35,10 @@ __all__ = [
     "EmbeddingConfig",
     "FusedTables",
     "LowRankCrossNet",
-    "PartitionedOptimizer",
     "TTConfig",
+    "TableCollection",
     "TTEmbeddingBag",
-    "make_train_step",
     "TrainStep",
+    "make_train_step",
+    "set_learning_rate",
 ]

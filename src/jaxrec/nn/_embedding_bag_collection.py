@@ -23,13 +23,13 @@ from collections.abc import Sequence
 from flax import nnx
 
 from jaxrec.nn._configs import EmbeddingBagConfig
-from jaxrec.nn._tables import TableCollection, concat_in_order
+from jaxrec.nn._tables import GroupedTables, concat_in_order
 from jaxrec.ops import BoundsCheckMode
 from jaxrec.optim import OptimizerConfig
 from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 
-class EmbeddingBagCollection(TableCollection):
+class EmbeddingBagCollection(GroupedTables):
     """Pooled embeddings of a ``KeyedJaggedTensor``'s features (TorchRec's module).
 
     Args:

@@ -18,14 +18,14 @@ from collections.abc import Sequence
 from flax import nnx
 
 from jaxrec.nn._configs import EmbeddingBagConfig, EmbeddingConfig
-from jaxrec.nn._tables import TableCollection
+from jaxrec.nn._tables import GroupedTables
 from jaxrec.ops import BoundsCheckMode, PoolingMode
 from jaxrec.ops.tbe_kjt import split_sequence_embeddings
 from jaxrec.optim import OptimizerConfig
 from jaxrec.sparse import JaggedTensor, KeyedJaggedTensor
 
 
-class EmbeddingCollection(TableCollection):
+class EmbeddingCollection(GroupedTables):
     """Per-id embeddings of a ``KeyedJaggedTensor``'s features, as ``{feature: JaggedTensor}``.
 
     The arguments are ``EmbeddingBagCollection``'s; the tables are ``EmbeddingConfig`` s and

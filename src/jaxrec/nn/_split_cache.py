@@ -2,8 +2,9 @@
 
 ``nnx.split`` walks the whole module graph. For the sharded DLRM on 4 GPUs that walk, and
 the pytree work around it, took about half of the host's time to issue a train step, and
-the host then bound the step. ``SplitCache.split(model)`` walks once; on later calls it
-only checks (microseconds) that nothing was reassigned since:
+the host then bound the step. ``SplitCache(split_fn).split(model, *args)`` walks once
+(``split_fn(model, *args)``, e.g. ``split_for_training``); on later calls with the same
+``args`` it only checks (microseconds) that nothing was reassigned since:
 
 * every nnx ``Pytree`` node's attributes (modules, ``nnx.List``/``nnx.Dict``);
 * the items of every Python list, dict and set in the graph;
@@ -39,38 +40,42 @@ from jaxrec.nn._fused_variable import FusedTables
 
 
 class Split(NamedTuple):
-    """``split_for_training(model)`` with its Variables listed in the states' leaf order."""
+    """A split (``graphdef, *states``) with its Variables listed in the states' leaf order."""
 
     graphdef: nnx.GraphDef
-    states: tuple  # (params, fused tables, rest): nnx.States whose leaves are the Variables
+    states: tuple  # nnx.States whose leaves are the Variables
     variables: tuple  # per state, its Variables in leaf order
     derived: dict  # what a step derives from this split and keeps with it (e.g. its mesh)
 
 
-def split_for_training(model: nnx.Module):
-    """``(graphdef, params, fused tables, rest)`` of ``model``."""
-    return nnx.split(model, nnx.Param, FusedTables, ...)
+def split_for_training(model: nnx.Module, wrt=nnx.Param):
+    """``(graphdef, params, fused tables, rest)`` of ``model``: ``params`` are the Variables
+    that ``wrt`` selects among those that are not ``FusedTables``."""
+    graphdef, tables, params, rest = nnx.split(model, FusedTables, wrt, ...)
+    return graphdef, params, tables, rest
 
 
 class SplitCache:
-    """``split(model)``: the kept split of ``model`` while its structure is unchanged, else
-    a new one (module doc)."""
+    """``split(model, *args)``: the kept ``split_fn(model, *args)`` while ``model``'s
+    structure and ``args`` are unchanged, else a new one (module doc)."""
 
-    def __init__(self):
-        self._entries = {}  # id(model) -> (weakref to model, Split, snapshot)
+    def __init__(self, split_fn=nnx.split):
+        self._split_fn = split_fn
+        self._entries = {}  # id(model) -> (weakref to model, args, Split, snapshot)
 
-    def split(self, model: nnx.Module) -> Split:
+    def split(self, model, *args) -> Split:
         entry = self._entries.get(id(model))
-        if entry is not None and entry[0]() is model and _unchanged(entry[2]):
-            return entry[1]
+        if (entry is not None and entry[0]() is model and entry[1] == args
+                and _unchanged(entry[3])):
+            return entry[2]
         _require_shared_variables()
-        graphdef, *states = split_for_training(model)
+        graphdef, *states = self._split_fn(model, *args)
         is_var = lambda x: isinstance(x, nnx.Variable)
         split = Split(graphdef, tuple(states),
                       tuple(tuple(jax.tree.leaves(s, is_leaf=is_var)) for s in states), {})
         key = id(model)
         forget = lambda _, key=key: self._entries.pop(key, None)
-        self._entries[key] = (weakref.ref(model, forget), split, _snapshot(model))
+        self._entries[key] = (weakref.ref(model, forget), args, split, _snapshot(model))
         return split
 
 

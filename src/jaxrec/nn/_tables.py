@@ -5,7 +5,7 @@
 * **fused** (``optimizer=RowWiseAdagrad(...)`` etc.): each group is a ``FusedTables``
   variable holding a ``FusedEmbeddingTables`` (weights, optimizer slots, hyperparameters).
   The backward of the lookup updates it in place; optax never sees it. Train such a model
-  with ``jaxrec.nn.make_train_step`` (or ``jaxrec.optim.fused_value_and_grad``).
+  with ``jaxrec.nn.make_train_step`` (or ``jaxrec.fused.fused_value_and_grad``).
 
 Weights and slots share one variable on purpose: the fused kernel reads and writes both in
 one pass, and a checkpoint or a filter (``nnx.state(model, FusedTables)``) must never split
@@ -20,17 +20,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrec.fused import FusedEmbeddingTables, fused_lookup
+from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
-from jaxrec.optim import FusedEmbeddingTables, OptimizerConfig, fused_lookup, init_state
+from jaxrec.optim import OptimizerConfig, init_state
 from jaxrec.sparse import KeyedJaggedTensor
 
 
-class TableCollection(nnx.Module):
-    """Tables grouped into table-batched lookups (the base of the two collections)."""
+class GroupedTables(TableCollection):
+    """Tables grouped into table-batched lookups (the base of the two unsharded collections)."""
 
     def __init__(self, tables: tuple[EmbeddingConfig, ...], pooling: PoolingMode | None, *,
                  optimizer: OptimizerConfig | None, rngs: nnx.Rngs,
@@ -63,10 +65,6 @@ class TableCollection(nnx.Module):
                     g.layout, optimizer, weights=flat, name=group_name)))
         self.tables = nnx.List(variables)
 
-    @property
-    def fused(self) -> bool:
-        return self.optimizer is not None
-
     def split_embedding_weights(self) -> dict[str, jax.Array]:
         """``{table name: [num_embeddings, embedding_dim]}`` (views of the flat buffers)."""
         out = {}
@@ -81,9 +79,7 @@ class TableCollection(nnx.Module):
     def split_optimizer_states(self) -> dict[str, dict[str, jax.Array]]:
         """``{table name: {state name: [rows, dim] or [rows]}}`` of the fused optimizer (TT
         tables, whose state lives on their cores, are left out)."""
-        if not self.fused:
-            raise ValueError(f"{type(self).__name__} {self.name!r} has plain tables: their "
-                             "optimizer state is the optax optimizer's")
+        self._require_fused("optimizer state")
         out = {}
         for g, var in zip(self.groups, self.tables):
             if not g.tt:
@@ -101,10 +97,10 @@ class TableCollection(nnx.Module):
                 continue
             if g.tt:
                 raise ValueError(f"table {names[0]!r} is a TT table: it holds cores, not rows; "
-                                 "start it from cores with TTEmbeddingTables.create(cores=...)")
+                                 "set its cores with its TTEmbeddingBag's set_cores (ebc.tables[i])")
             flat = var.get_value().weights if self.fused else var.get_value()
             current = g.layout.split_embedding_weights(flat)
-            tables = [self._checked(t, weights[t.name]) if t.name in weights else cur
+            tables = [self._checked(t.name, weights[t.name]) if t.name in weights else cur
                       for t, cur in zip(g.tables, current)]
             if self.fused:
                 var.set_value(var.get_value().set_embedding_weights(tables))
@@ -115,9 +111,7 @@ class TableCollection(nnx.Module):
         """Sets the fused optimizer's state from ``{table name: {state name: array}}``: the
         inverse of ``split_optimizer_states``. Every table of a group must be given (they
         share one step counter); ``step``: the updates already applied (unchanged when None)."""
-        if not self.fused:
-            raise ValueError(f"{type(self).__name__} {self.name!r} has plain tables: their "
-                             "optimizer state is the optax optimizer's")
+        self._require_fused("optimizer state")
         self._check_names(states, "optimizer states",
                           {t.name for g in self.groups if not g.tt for t in g.tables})
         for g, var in zip(self.groups, self.tables):
@@ -154,32 +148,6 @@ class TableCollection(nnx.Module):
                 self.set_optimizer_states(
                     {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step")} for n in names},
                     step=portable[names[0]]["step"])
-
-    def _check_names(self, given: Mapping, what: str, names: set[str]) -> None:
-        unknown = sorted(set(given) - names)
-        if unknown:
-            raise ValueError(f"{type(self).__name__} {self.name!r} has no table {unknown} to set {what} of; "
-                             f"its tables are {sorted(names)}")
-
-    @staticmethod
-    def _checked(table: EmbeddingConfig, value) -> jax.Array:
-        value = jnp.asarray(value)
-        shape = (table.num_embeddings, table.embedding_dim)
-        if tuple(value.shape) != shape:
-            raise ValueError(f"table {table.name!r} has shape {shape} (num_embeddings, embedding_dim), "
-                             f"got an array of shape {tuple(value.shape)}")
-        return value
-
-    def set_learning_rate(self, learning_rate) -> None:
-        """New learning rate of the fused optimizer (traced values are fine: no recompile)."""
-        if not self.fused:
-            raise ValueError(f"{type(self).__name__} {self.name!r} has plain tables: their "
-                             "learning rate is the optax optimizer's")
-        for g, var in zip(self.groups, self.tables):
-            if g.tt:
-                var.set_learning_rate(learning_rate)
-            else:
-                var.set_value(var.get_value().set_learning_rate(learning_rate))
 
     def cache_populate(self) -> None:
         """Refreshes the LFU cache of every TT table that has one (``TTEmbeddingBag.cache_populate``)."""

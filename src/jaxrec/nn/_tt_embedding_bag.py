@@ -11,28 +11,35 @@
 
 Two modes, as the collections have:
 
-* **plain** (``optimizer=None``): the cores are ``nnx.Param`` s; ``jax.grad`` gives their
-  dense gradients and optax trains them (FBTT's ``sparse=False``).
+* **plain** (``optimizer=None``): the cores are ``nnx.Param`` s (``core_params``);
+  ``jax.grad`` gives their dense gradients and optax trains them (FBTT's ``sparse=False``).
 * **fused** (``optimizer=SGD(...)`` or ``Adagrad(...)``, FBTT's ``sparse=True``): a
-  ``FusedTables`` variable holding ``jaxrec.optim.TTEmbeddingTables``; the backward
+  ``FusedTables`` variable holding ``jaxrec.fused.TTEmbeddingTables``; the backward
   updates the cores in place. Train with ``jaxrec.nn.make_train_step``. The LFU cache
   (``cache_size > 0``) needs this mode: the fused backward trains the cached rows and
   counts the ids.
+
+In both modes ``emb.cores`` reads the cores (a tuple of arrays) and ``emb.set_cores(cores)``
+writes them; ``cores=`` in the constructor starts from given cores (e.g. a decomposition
+of a trained table) instead of random ones. The arrays are copied: a train step donates
+the module's buffers, never the caller's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jaxrec.fused import TTEmbeddingTables, tt_fused_lookup
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.ops import BoundsCheckMode, PoolingMode, TTLayout, init_tt_cores, tt_embedding_bag
 from jaxrec.ops.tbe_layout import as_pooling_mode
 from jaxrec.ops.tt_reference import tt_full_weight
-from jaxrec.optim import OptimizerConfig, TTEmbeddingTables, tt_fused_lookup
+from jaxrec.optim import OptimizerConfig
 
 
 class TTEmbeddingBag(nnx.Module):
@@ -49,6 +56,7 @@ class TTEmbeddingBag(nnx.Module):
       optimizer: ``None`` (plain) or ``jaxrec.optim.SGD`` / ``Adagrad`` (fused).
       cache_size, hashtbl_size: the LFU cache of hot rows (fused mode only); 0 = off.
       rngs: ``rngs.params()`` initialises the cores.
+      cores: the starting cores (T arrays of the layout's shapes) instead of random ones.
       bounds_check_mode, backend: as ``jaxrec.ops.tt_embedding_bag``.
       name: the fused tables' name, unique among the fused tables of one model.
     """
@@ -60,20 +68,22 @@ class TTEmbeddingBag(nnx.Module):
                  optimizer: OptimizerConfig | None = None, cache_size: int = 0,
                  hashtbl_size: int = 0, rngs: nnx.Rngs,
                  bounds_check_mode: BoundsCheckMode | str = BoundsCheckMode.WARNING,
-                 backend: str = "auto", name: str = "tt"):
+                 backend: str = "auto", name: str = "tt",
+                 cores: Sequence[jax.Array] | None = None):
         self.layout = TTLayout.create(num_embeddings, embedding_dim, tt_ranks, tt_p_shapes,
                                       tt_q_shapes)
         self.pooling = as_pooling_mode(pooling)
         self.optimizer = optimizer
         self.bounds_check_mode = bounds_check_mode
         self.backend = backend
-        cores = init_tt_cores(rngs.params(), self.layout, weight_dist)
+        key = rngs.params()  # drawn either way: the model's other keys do not depend on cores=
+        cores = self._copied(init_tt_cores(key, self.layout, weight_dist) if cores is None else cores)
         if optimizer is None:
             if cache_size:
                 raise ValueError(f"TTEmbeddingBag {name!r}: cache_size={cache_size} needs fused "
                                  "training (optimizer=jaxrec.optim.SGD(...) or Adagrad(...)): the "
                                  "fused backward trains the cached rows and counts the ids")
-            self.cores = nnx.List([nnx.Param(c) for c in cores])
+            self.core_params = nnx.List([nnx.Param(c) for c in cores])
         else:
             self.table = FusedTables(TTEmbeddingTables.create(
                 self.layout, optimizer, cores=cores, cache_size=cache_size,
@@ -96,14 +106,33 @@ class TTEmbeddingBag(nnx.Module):
                       backend=self.backend)
         if self.fused:
             return tt_fused_lookup(self.table.get_value(), indices, offsets, **kwargs)
-        cores = tuple(c.get_value() for c in self.cores)
-        return tt_embedding_bag(cores, indices, offsets, layout=self.layout, **kwargs)
+        return tt_embedding_bag(self.cores, indices, offsets, layout=self.layout, **kwargs)
+
+    @property
+    def cores(self) -> tuple[jax.Array, ...]:
+        """The T cores, in either mode (the fused tables' current cores)."""
+        if self.fused:
+            return self.table.get_value().cores
+        return tuple(c.get_value() for c in self.core_params)
+
+    def set_cores(self, cores: Sequence[jax.Array]) -> None:
+        """Sets the T cores (copies, checked against the layout's shapes), in either mode.
+        The fused optimizer's state and step are kept."""
+        cores = self._copied(cores)
+        if self.fused:
+            self.table.set_value(dataclasses.replace(self.table.get_value(), cores=cores))
+        else:
+            for var, core in zip(self.core_params, cores, strict=True):
+                var.set_value(core)
+
+    def _copied(self, cores) -> tuple[jax.Array, ...]:
+        return self.layout.validate_cores(jnp.array(c, copy=True) for c in cores)
 
     def full_weight(self) -> jax.Array:
         """The dense ``[num_embeddings, D]`` table (cached rows where cached): tests, export."""
         if self.fused:
             return self.table.get_value().full_weight()
-        return tt_full_weight(tuple(c.get_value() for c in self.cores), layout=self.layout)
+        return tt_full_weight(self.cores, layout=self.layout)
 
     materialize = full_weight
 
@@ -117,10 +146,3 @@ class TTEmbeddingBag(nnx.Module):
         if not self.fused:
             return jnp.zeros((), jnp.float32)
         return self.table.get_value().cache_hit_rate(indices)
-
-    def set_learning_rate(self, learning_rate) -> None:
-        """New learning rate of the fused optimizer."""
-        if not self.fused:
-            raise ValueError("this TTEmbeddingBag has plain cores: their learning rate is the "
-                             "optax optimizer's")
-        self.table.set_value(self.table.get_value().set_learning_rate(learning_rate))

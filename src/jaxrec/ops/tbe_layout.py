@@ -123,6 +123,12 @@ class TableLayout:
         return tuple(int(x) for x in np.concatenate([[0], np.cumsum(sizes)[:-1]]))
 
     @property
+    def row_offsets(self) -> tuple[int, ...]:
+        """First row of each table among all tables' rows (the offsets of a per-row
+        optimizer state buffer, FBGEMM's ``momentum1_offsets`` of a row-wise optimizer)."""
+        return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.rows)[:-1]]))
+
+    @property
     def num_weights(self) -> int:
         """Elements of the flat buffer."""
         return int(sum(r * d for r, d in zip(self.rows, self.dims)))

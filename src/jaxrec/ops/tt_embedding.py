@@ -22,7 +22,7 @@ chain of small GEMMs, which XLA's CPU backend already runs well, so there is no 
 
 Gradients (``jax.grad``): the dense gradient of every core (optax can train them) and of
 the per-sample weights. The fused form (optimizer in the backward) is
-``jaxrec.optim.TTEmbeddingTables`` / ``tt_fused_lookup``.
+``jaxrec.fused.TTEmbeddingTables`` / ``tt_fused_lookup``.
 
 Bad input never reads outside the cores: ``validate`` clamps the offsets into
 ``[0, N]`` non-decreasing (``clamp_offsets``; a no-op on valid offsets), and with

@@ -1,19 +1,14 @@
-"""Fused optimizers of FBGEMM's set: configs, state and their row-wise math in jnp.
+"""Fused optimizers of FBGEMM's set: their configs, their state and their row-wise math.
 
-The optimizer is applied row-wise inside the TBE backward ("fused"), to the unique
-rows of a batch only, as FBGEMM's ``EXACT_*`` optimizers do. This package holds
-the configs (:class:`SGD`, :class:`RowWiseAdagrad`, ...), their state
-(:func:`init_state`, flat buffers laid out like the weights), the math written once
-(:func:`update_rows`) and the jnp reference of the fused update
-(:func:`fused_update_reference`), which the kernels are tested against.
-
-The fused update itself is :func:`fused_update` (the explicit form). Its
-``custom_vjp`` form is :func:`fused_lookup` over :class:`FusedEmbeddingTables`,
-trained by :func:`make_train_step` (optax on the dense parameters, the fused update
-on the tables, one jitted step with everything donated).
+Like optax, this package holds only optimizers: the configs (:class:`SGD`,
+:class:`RowWiseAdagrad`, ...; ``learning_rate`` a number or an optax schedule), their
+state (:func:`init_state`: flat buffers laid out like the weights, with
+:func:`split_optimizer_states` / :func:`merge_optimizer_states` to read and write them per
+table) and their math, written once in jnp (:func:`update_rows`). The kernels that apply
+it inside the backward, and the tables and train steps built on them, are
+``jaxrec.fused``.
 """
 
-from jaxrec._step_guard import NonFiniteError, StepStats
 from jaxrec.optim._configs import (
     ALL_OPTIMIZERS,
     LAMB,
@@ -27,9 +22,7 @@ from jaxrec.optim._configs import (
     PartialRowWiseAdam,
     PartialRowWiseLAMB,
     RowWiseAdagrad,
-    set_learning_rate,
 )
-from jaxrec.optim._fused import fused_update_reference
 from jaxrec.optim._rowwise import update_rows
 from jaxrec.optim._state import (
     AdagradState,
@@ -43,14 +36,8 @@ from jaxrec.optim._state import (
     SGDState,
     init_state,
     merge_optimizer_states,
-    row_offsets,
     split_optimizer_states,
-    state_offsets,
 )
-from jaxrec.optim.fused_tables import FusedEmbeddingTables, fused_lookup
-from jaxrec.optim.fused_update import fused_update
-from jaxrec.optim.partitioned import TrainStep, fused_value_and_grad, guarded_update, make_train_step
-from jaxrec.optim.tt_tables import TTCacheState, TTEmbeddingTables, tt_fused_lookup
 
 __all__ = [
     "ALL_OPTIMIZERS",
@@ -60,7 +47,6 @@ __all__ = [
     "AdagradState",
     "Adam",
     "AdamState",
-    "FusedEmbeddingTables",
     "LAMBState",
     "LarsSGD",
     "LarsSGDState",
@@ -75,23 +61,8 @@ __all__ = [
     "RowWiseAdagrad",
     "RowWiseAdagradState",
     "SGDState",
-    "TTCacheState",
-    "TTEmbeddingTables",
-    "fused_lookup",
-    "fused_update",
-    "fused_update_reference",
-    "fused_value_and_grad",
     "init_state",
-    "make_train_step",
-    "NonFiniteError",
-    "StepStats",
-    "TrainStep",
-    "guarded_update",
-    "tt_fused_lookup",
-    "row_offsets",
-    "set_learning_rate",
     "merge_optimizer_states",
     "split_optimizer_states",
-    "state_offsets",
     "update_rows",
 ]

@@ -69,22 +69,13 @@ def scheduled(config, hparams: OptimizerHyperparams, step) -> OptimizerHyperpara
 
 def set_tables_learning_rate(config, hparams: OptimizerHyperparams, learning_rate,
                              name: str) -> OptimizerHyperparams:
-    """``set_learning_rate`` for the tables ``name`` trained by ``config``: refused when the
-    config's rate is a schedule, which would override it at the next update."""
+    """``hparams`` of the tables ``name`` trained by ``config`` with a new learning rate (a
+    float or a traced scalar: no recompile; ``jaxrec.fused.set_learning_rate``). Refused when
+    the config's rate is a schedule, which would override it at the next update."""
     if has_schedule(config):
         raise ValueError(f"the learning rate of tables {name!r} follows the schedule of its "
                          "config (learning_rate=<schedule>); set_learning_rate would be overridden "
                          "at the next update. Give the config a number to set the rate by hand")
-    return set_learning_rate(hparams, learning_rate)
-
-
-def set_learning_rate(hparams: OptimizerHyperparams, learning_rate) -> OptimizerHyperparams:
-    """``hparams`` with a new learning rate (a float or a traced scalar; no recompile).
-
-    A config whose ``learning_rate`` is a schedule overrides it at every update."""
-    if not isinstance(hparams, OptimizerHyperparams):
-        raise TypeError(f"hparams must be an OptimizerHyperparams (config.hyperparams()), "
-                        f"got {type(hparams).__name__}")
     return hparams._replace(learning_rate=jnp.asarray(learning_rate, jnp.float32))
 
 
@@ -96,6 +87,11 @@ class OptimizerConfig:
     """FBGEMM's ``EmbOptimType`` name of the optimizer."""
     state_type: ClassVar[type] = _state.NoOptimizerState
     """The optimizer's state NamedTuple (``jaxrec.optim._state``)."""
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Names of the optimizer's state buffers (the keys of ``split_optimizer_states``)."""
+        return _state.buffer_fields(self.state_type)
 
     def hyperparams(self) -> OptimizerHyperparams:
         """The config's numbers as traced float32 scalars (0 for fields it does not have;
@@ -139,7 +135,8 @@ def _as_float(cls: str, name: str, value) -> float:
         what = ("a Python number or a schedule (a function of the step)" if name == "learning_rate"
                 else "a Python number (the default)")
         raise TypeError(f"{cls}.{name} must be {what}; pass traced values through "
-                        f"config.hyperparams() / set_learning_rate(), got {type(value).__name__}") from None
+                        "config.hyperparams() / jaxrec.fused.set_learning_rate(), got "
+                        f"{type(value).__name__}") from None
     if not np.isfinite(value):
         raise ValueError(f"{cls}.{name} must be finite, got {value}")
     return value

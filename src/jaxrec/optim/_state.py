@@ -8,7 +8,7 @@ will index it (as FBGEMM's ``momentum1_dev`` + ``momentum1_offsets``)::
     # momentum_buffer): exactly the weights' layout, offsets = layout.table_offsets
     #   [t0 r0 | t0 r1 | t0 r2 | t0 r3 | t1 r0 | t1 r1 | t1 r2]    table offsets 0, 8
     # per-row state [sum(rows)] (rowwise Adagrad momentum1, partial-rowwise exp_avg_sq):
-    # one value per row, offsets = row_offsets(layout)
+    # one value per row, offsets = layout.row_offsets
     #   [t0r0 t0r1 t0r2 t0r3 | t1r0 t1r1 t1r2]                     table offsets 0, 4
 
 Every state also holds ``step``: the int32 count of fused updates applied so far
@@ -22,7 +22,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrec.ops.tbe_layout import TableLayout
 
@@ -106,14 +105,9 @@ def buffer_fields(state_type) -> tuple[str, ...]:
     return state_type._fields[1:]
 
 
-def row_offsets(layout: TableLayout) -> tuple[int, ...]:
-    """Offset of each table in a per-row state buffer (its first row among all rows)."""
-    return tuple(int(x) for x in np.concatenate([[0], np.cumsum(layout.rows)[:-1]]))
-
-
 def state_offsets(config, layout: TableLayout, name: str) -> tuple[int, ...]:
     """Offset of each table in state buffer ``name``: per-row or per-element (= weights)."""
-    return row_offsets(layout) if name in config.state_type.row_fields else layout.table_offsets
+    return layout.row_offsets if name in config.state_type.row_fields else layout.table_offsets
 
 
 def state_size(config, layout: TableLayout, name: str) -> int:

@@ -8,8 +8,9 @@ TorchRec's answer to tables that do not fit one GPU, on JAX's own engine
   hand-written plan helpers (``construct_plan`` with ``table_wise(rank)``, ``row_wise()``,
   ``column_wise(ranks)``, ``table_row_wise(host_index)``, ``data_parallel()``).
 - ``EmbeddingShardingPlanner`` over a ``Topology``, honouring ``ParameterConstraints``.
-- ``ShardedEmbeddingBagCollection`` (or ``shard(model, plan, mesh)``), ``make_train_step``,
-  ``make_forward`` and ``shard_batch``: one jitted step for the whole model.
+- ``ShardedEmbeddingBagCollection`` (or ``shard(model, plan, mesh)``), ``shard_batch`` and
+  ``make_forward``; a sharded model trains with ``jaxrec.nn.make_train_step``, one jitted
+  step for the whole model.
 - ``portable_state`` / ``load_portable_state``: checkpoints that restore on any mesh.
 
 The planner and the types never import Flax; the sharded module is Flax NNX like
@@ -51,7 +52,6 @@ __all__ = [
     "estimate",
     "load_portable_state",
     "make_forward",
-    "make_train_step",
     "portable_state",
     "row_wise",
     "shard",
@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 _FLAX = {"ShardedEmbeddingBagCollection": "_sharded_ebc", "shard": "_sharded_ebc",
-         "make_forward": "_train", "make_train_step": "_train", "shard_batch": "_train",
+         "make_forward": "_train", "shard_batch": "_train",
          "portable_state": "_checkpoint", "load_portable_state": "_checkpoint"}
 
 

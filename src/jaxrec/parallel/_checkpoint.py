@@ -30,13 +30,11 @@ import jax
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxrec.nn import EmbeddingBagCollection, PartitionedOptimizer
-from jaxrec.parallel._sharded_ebc import ShardedEmbeddingBagCollection
+from jaxrec.nn import TableCollection
 
 
-def _collections(model) -> list[tuple[tuple, ShardedEmbeddingBagCollection | EmbeddingBagCollection]]:
-    return [(path, m) for path, m in nnx.iter_modules(model)
-            if isinstance(m, ShardedEmbeddingBagCollection | EmbeddingBagCollection)]
+def _collections(model) -> list[tuple[tuple, TableCollection]]:
+    return [(path, m) for path, m in nnx.iter_modules(model) if isinstance(m, TableCollection)]
 
 
 def _node(tree: dict, path: tuple) -> dict:
@@ -45,8 +43,8 @@ def _node(tree: dict, path: tuple) -> dict:
     return tree
 
 
-def portable_state(model: nnx.Module, optimizer: PartitionedOptimizer | None = None) -> dict:
-    """``{"model": ..., "opt_state": ...}`` of a model with sharded collections, in a form
+def portable_state(model: nnx.Module, optimizer: nnx.Optimizer | None = None) -> dict:
+    """``{"model": ..., "optimizer": ...}`` of a model with sharded collections, in a form
     that does not depend on the plan (module doc). Save it with ``save_checkpoint``; use the
     same call on the target model as the restore target."""
     pure = nnx.to_pure_dict(nnx.state(model))
@@ -56,19 +54,20 @@ def portable_state(model: nnx.Module, optimizer: PartitionedOptimizer | None = N
         node["tables"] = module.portable_tables()
     out = {"model": pure}
     if optimizer is not None:
-        sharded = [x for x in jax.tree.leaves(optimizer.opt_state)
+        opt_state = nnx.to_pure_dict(nnx.state(optimizer))
+        sharded = [x for x in jax.tree.leaves(opt_state)
                    if getattr(getattr(x, "sharding", None), "spec", P()) != P()]
         if sharded:
             raise NotImplementedError(
                 "the optax state holds sharded arrays (plain sharded tables trained by a stateful "
                 "optax optimizer), which mirror this plan's buffers and are not portable; train "
                 "the tables with a fused optimizer (optimizer=... in the collection) or optax.sgd")
-        out["opt_state"] = optimizer.opt_state
+        out["optimizer"] = opt_state
     return out
 
 
 def load_portable_state(model: nnx.Module, state: dict,
-                        optimizer: PartitionedOptimizer | None = None) -> None:
+                        optimizer: nnx.Optimizer | None = None) -> None:
     """Loads ``state`` (``portable_state`` of any plan, e.g. restored from a checkpoint)
     into ``model`` (and ``optimizer``), packing the tables for the model's plan."""
     pure = dict(state["model"])
@@ -80,6 +79,8 @@ def load_portable_state(model: nnx.Module, state: dict,
     nnx.replace_by_pure_dict(current, rest)
     nnx.update(model, current)
     if optimizer is not None:
-        if "opt_state" not in state:
-            raise ValueError("state has no 'opt_state'; save it with portable_state(model, optimizer)")
-        optimizer.opt_state = state["opt_state"]
+        if "optimizer" not in state:
+            raise ValueError("state has no 'optimizer'; save it with portable_state(model, optimizer)")
+        current = nnx.state(optimizer)
+        nnx.replace_by_pure_dict(current, state["optimizer"])
+        nnx.update(optimizer, current)

@@ -37,9 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrec.fused import fused_lookup
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
 from jaxrec.ops.tbe_reference import bag_of_position
-from jaxrec.optim import fused_lookup
 from jaxrec.parallel._layout import A2A, DP, REDUCE, Group, ShardedLayout
 
 

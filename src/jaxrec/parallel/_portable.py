@@ -28,7 +28,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrec.optim._state import row_offsets
 from jaxrec.parallel._layout import DP, Group, ShardedLayout
 from jaxrec.parallel._types import ShardingType
 
@@ -66,7 +65,7 @@ def unpack(layout: ShardedLayout, buffers: Sequence[np.ndarray], per_row: bool
         buf = np.asarray(buf)
         if group.kind == DP:
             gl = group.layout
-            starts = row_offsets(gl) if per_row else gl.table_offsets
+            starts = gl.row_offsets if per_row else gl.table_offsets
             for p in group.pieces:
                 rows, dim = gl.rows[p.offset], gl.dims[p.offset]
                 size = rows if per_row else rows * dim

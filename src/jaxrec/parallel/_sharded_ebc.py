@@ -7,7 +7,7 @@
     ebc = ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=RowWiseAdagrad(...),
                                         rngs=nnx.Rngs(0))          # or shard(model, plan, mesh)
 
-Inside ``shard_map`` over the mesh axis (``jaxrec.parallel.make_train_step`` /
+Inside ``shard_map`` over the mesh axis (``jaxrec.nn.make_train_step`` /
 ``make_forward`` put it there) each device calls it with *its* KJT of B samples and
 gets *its* ``KeyedTensor [B, sum(dims)]``, with the keys, order and values that the
 unsharded ``EmbeddingBagCollection`` gives for those samples (TorchRec's contract).
@@ -35,11 +35,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import _step_guard
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables
+from jaxrec.fused import FusedEmbeddingTables
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
 from jaxrec.ops.bounds_check import as_bounds_check_mode
-from jaxrec.optim import SGD, Adagrad, Adam, FusedEmbeddingTables, OptimizerConfig
-from jaxrec.optim._state import buffer_fields
+from jaxrec.optim import SGD, Adagrad, Adam, OptimizerConfig
 from jaxrec.parallel import _dist, _row_return
 from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout
 from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
@@ -57,7 +57,7 @@ class DroppedIds(nnx.Variable):
     devices (0 when every batch came through ``shard_batch(..., model=)``)."""
 
 
-class ShardedEmbeddingBagCollection(nnx.Module):
+class ShardedEmbeddingBagCollection(TableCollection):
     """An ``EmbeddingBagCollection`` whose tables are sharded by ``plan`` over ``mesh``.
 
     Args:
@@ -152,11 +152,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             initial = {t.name: {"weights": t.init(rngs.params())} for t in tables}  # config order
         self.tables = nnx.List(self._variables(initial))
 
-    # -- TorchRec's accessors ----------------------------------------------------------
-    @property
-    def fused(self) -> bool:
-        return self.optimizer is not None
-
+    # -- TorchRec's accessors (and jaxrec.nn.TableCollection's) ---------------------------
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
         return list(self.table_configs)
 
@@ -173,7 +169,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         if not self.fused:
             return out
         values = [v.get_value() for v in self.tables]
-        for field in buffer_fields(self.optimizer.state_type):
+        for field in self.optimizer.state_names:
             per_row = field in self.optimizer.state_type.row_fields
             for n, x in zip(names, self._unpack([getattr(v.state, field) for v in values], per_row)):
                 out[n][field] = x
@@ -187,14 +183,6 @@ class ShardedEmbeddingBagCollection(nnx.Module):
         for var, new in zip(self.tables, self._variables(portable)):
             var.set_value(new.get_value())
 
-    def set_learning_rate(self, learning_rate) -> None:
-        """New learning rate of the fused optimizer (traced values are fine)."""
-        if not self.fused:
-            raise ValueError(f"collection {self.name!r} has plain tables: their learning rate is "
-                             "the optax optimizer's")
-        for var in self.tables:
-            var.set_value(var.get_value().set_learning_rate(learning_rate))
-
     # -- the lookup (per device, inside shard_map) --------------------------------------
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if not isinstance(features, KeyedJaggedTensor):
@@ -205,7 +193,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             raise ValueError(
                 f"ShardedEmbeddingBagCollection {self.name!r} runs per device inside shard_map over "
                 f"mesh axis {self.axis_name!r}, on each device's own KJT; call it through "
-                "jaxrec.parallel.make_train_step or make_forward (batches from shard_batch)"
+                "jaxrec.nn.make_train_step or jaxrec.parallel.make_forward (batches from shard_batch)"
             ) from None
         layout = self.layout
         values, lengths, weights, batch = self._prepare(features)
@@ -381,7 +369,7 @@ class ShardedEmbeddingBagCollection(nnx.Module):
             config = self.optimizer
             state_dtype = jnp.dtype(getattr(config, "state_dtype", jnp.float32))
             buffers = {}
-            for field in buffer_fields(config.state_type):
+            for field in config.state_names:
                 per_row = field in config.state_type.row_fields
                 arrays = {}
                 for t in members:

@@ -1,24 +1,17 @@
-"""One jitted step for a whole sharded model, and the batches it takes.
+"""Evaluating a sharded model, and the device-stacked batches its train step takes.
 
 ::
 
     model = shard(DLRM(ebc, ...), plan, mesh)                 # tables sharded, rest replicated
-    optimizer = PartitionedOptimizer(model, optax.adam(1e-3))
-    train_step = make_train_step(loss_fn)                     # loss_fn(model, *local_batch)
+    optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    train_step = jaxrec.nn.make_train_step(loss_fn)           # loss_fn(model, *local_batch)
     for batch in log.batches(8 * 1024, steps):               # a global batch of 8 x 1024
         loss = train_step(model, optimizer, shard_batch(batch, mesh))
+    scores = make_forward(score_fn)(model, shard_batch(eval_batch, mesh))
 
-The step is ``jax.jit(shard_map(body))`` over the mesh axis. On each device ``body`` runs
-``loss_fn`` on that device's samples (the sharded collections exchange ids and pooled
-embeddings with collectives), takes ``jaxrec.optim.fused_value_and_grad`` of
-``mean over devices of loss_fn`` (fused tables come back updated in place, shard by
-shard), adds up the gradients of replicated parameters over the devices (``psum``: the
-dense part and data-parallel plain tables are data parallel), and applies optax to every
-parameter where it lives (sharded plain tables shard by shard). Parameters, optax state
-and tables are donated, as in ``jaxrec.nn.make_train_step``. The model's split is kept
-between steps while its structure is unchanged (``jaxrec.nn._split_cache``) and the
-jitted function takes flat lists of arrays: at 4 GPUs the host's time to issue a step
-otherwise exceeded the GPUs' time.
+``jaxrec.nn.make_train_step`` runs the step under ``shard_map`` when the model's
+collections are sharded (its module doc). ``make_forward`` does the same for a forward
+pass: ``fn`` on every device, outputs stacked along a leading device axis.
 
 Batches (``shard_batch``): every leaf gets a leading device axis, sharded over the mesh
 axis, and each device sees its own slice without that axis: arrays ``[N * B, ...]`` become
@@ -38,10 +31,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrec import _step_guard, optim
-from jaxrec.nn import PartitionedOptimizer
-from jaxrec.nn._split_cache import SplitCache, split_for_training, write_back
-from jaxrec.nn._tables import TableCollection
+from jaxrec.nn import TableCollection
 from jaxrec.parallel._sharded_ebc import (
     ShardedEmbeddingBagCollection,
     auto_mesh,
@@ -52,19 +42,11 @@ from jaxrec.sparse import KeyedJaggedTensor, capacity_bucket
 
 def mesh_of(model) -> tuple[jax.sharding.Mesh, str]:
     """The mesh and axis of the model's sharded collections (one pair for all)."""
-    modules = list(nnx.iter_modules(model))
-    found = {(m.mesh, m.axis_name) for _, m in modules
-             if isinstance(m, ShardedEmbeddingBagCollection)}
+    found = {(m.mesh, m.axis_name) for _, m in nnx.iter_modules(model)
+             if isinstance(m, TableCollection) and m.mesh is not None}
     if len(found) != 1:
         raise ValueError("the model needs ShardedEmbeddingBagCollections on one mesh and axis "
                          f"(build them with jaxrec.parallel.shard); found {len(found)} meshes/axes")
-    fused = [".".join(map(str, path)) or "<model>" for path, m in modules
-             if isinstance(m, TableCollection) and m.fused]
-    if fused:  # replicated fused tables would each be updated from one device's batch
-        raise ValueError(f"the model also holds unsharded collections with fused tables {fused}; "
-                         "every device would update its replica from its own samples. Shard them "
-                         "too (jaxrec.parallel.shard, DATA_PARALLEL keeps them whole) or make them "
-                         "plain (optimizer=None)")
     return found.pop()
 
 
@@ -83,111 +65,6 @@ def _key(*trees):
 
 def _unkey(key):
     return tuple(jax.tree.unflatten(treedef, leaves) for treedef, leaves in key)
-
-
-def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True,
-                    on_nonfinite: str = "raise"):
-    """``train_step(model, optimizer, *batch) -> loss`` (``(loss, aux)`` with ``has_aux``)
-    for a model with sharded collections; see the module doc.
-
-    ``loss_fn(model, *local_batch)`` runs on each device with that device's slice of every
-    batch leaf (``shard_batch``). The objective is the mean over devices of its value, so
-    with equal local batch sizes a per-device mean loss gives the global mean. ``loss`` is
-    that mean; ``aux`` comes back with a leading device axis. ``on_nonfinite``, and the
-    step's ``check()`` and ``stats()``: as for ``jaxrec.nn.make_train_step``; every device
-    skips a step together.
-    """
-
-    def compiled(graphdef, treedefs, opt_treedef, tx, mesh, axis, structure, specs,
-                 batch_count):
-        messages: list = []
-        # The step takes and returns flat lists (per state, the raw value of each Variable;
-        # the optax state's leaves): flattening nnx States on each call cost host time.
-        # ``treedefs``: the states'; ``structure``/``specs``: the tree of those lists and a
-        # spec per leaf.
-        param_specs, opt_specs, table_specs, rest_specs = jax.tree.unflatten(structure, specs)
-        # params lead the leaves; their replicated gradients are summed over the devices
-        replicated = jax.tree.unflatten(treedefs[0],
-                                        [s == P() for s in specs[:treedefs[0].num_leaves]])
-        n = mesh.shape[axis]
-
-        def body(params, opt_state, tables, rest, *batch):
-            batch = jax.tree.map(lambda x: x[0], batch)
-            raw = [jax.tree.structure(x) for x in (params, tables, rest)]
-            params, tables, rest = (jax.tree.unflatten(td, jax.tree.leaves(x))
-                                    for td, x in zip(treedefs, (params, tables, rest)))
-            opt_state = jax.tree.unflatten(opt_treedef, opt_state)
-
-            def pure_loss(params, tables, rest, *batch):
-                # New Variables, of this trace: the model may count into its state
-                # (ShardedEmbeddingBagCollection.dropped_ids).
-                model = nnx.merge(graphdef, params, tables, rest, copy=True)
-                out = loss_fn(model, *batch)
-                loss, aux = out if has_aux else (out, None)
-                return loss / n, (loss, aux, split_for_training(model)[3])
-
-            def sum_replicated(grads):
-                return jax.tree.map(lambda g, r: jax.lax.psum(g, axis) if r else g,
-                                    grads, replicated)
-
-            update = optim.guarded_update(pure_loss, tx, has_aux=True, on_nonfinite=policy,
-                                          messages=messages, axis_name=axis,
-                                          reduce_grads=sum_replicated)
-            params, opt_state, tables, (_, (loss, aux, rest)), stats = update(
-                params, opt_state, tables, rest, *batch)
-            params, tables, rest = (jax.tree.unflatten(td, jax.tree.leaves(x))
-                                    for td, x in zip(raw, (params, tables, rest)))
-            aux = jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
-            return (params, jax.tree.leaves(opt_state), tables, rest,
-                    jax.lax.pmean(loss, axis), aux, stats)
-
-        in_specs = (param_specs, opt_specs, table_specs, rest_specs) + (P(axis),) * batch_count
-        out_specs = (param_specs, opt_specs, table_specs, rest_specs, P(), P(axis), P())
-        mapped = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                               check_vma=False)
-        return jax.jit(mapped, donate_argnums=(0, 1, 2) if donate else ()), messages
-
-    _step_guard.check_policy(on_nonfinite)
-    policy = on_nonfinite
-    monitor = _step_guard.StepMonitor(policy)
-    splits = SplitCache()
-    per_graphdef = {}  # graphdef -> (mesh, axis, {key: jitted step}), shared by equal splits
-
-    def train_step(model: nnx.Module, optimizer: PartitionedOptimizer, *batch):
-        if not isinstance(optimizer, PartitionedOptimizer):
-            raise TypeError(f"optimizer must be a jaxrec.nn.PartitionedOptimizer, got "
-                            f"{type(optimizer).__name__}")
-        split = splits.split(model)
-        if "steps" not in split.derived:  # once per split: hashing a graphdef walks it
-            found = per_graphdef.get(split.graphdef)
-            if found is None:
-                found = per_graphdef[split.graphdef] = (*mesh_of(model), {})
-            split.derived["steps"] = found
-        mesh, axis, steps = split.derived["steps"]
-        params, tables, rest = ([v.get_raw_value() for v in variables]
-                                for variables in split.variables)
-        opt_treedef, opt_state = optimizer.flat_opt_state()
-        leaves, structure = jax.tree.flatten((params, opt_state, tables, rest))
-        leaves = [on_mesh(x, mesh) for x in leaves]
-        specs = tuple(x.sharding.spec for x in leaves)
-        key = (optimizer.tx, opt_treedef, structure, specs, len(batch))
-        step = steps.get(key)
-        if step is None:
-            treedefs = [jax.tree.structure(s) for s in split.states]
-            step = steps[key] = compiled(split.graphdef, treedefs, opt_treedef, optimizer.tx,
-                                         mesh, axis, structure, specs, len(batch))
-        step, messages = step
-        params, opt_state, tables, rest, loss, aux, stats = step(
-            *jax.tree.unflatten(structure, leaves), *batch)
-        write_back(split, (params, tables, rest))
-        optimizer.set_flat_opt_state(opt_treedef, opt_state)
-        optimizer.step += 1
-        monitor.record(stats, messages)
-        return (loss, aux) if has_aux else loss
-
-    # The nn step's interface: check() and stats() (jaxrec.nn.TrainStep).
-    train_step.check, train_step.stats = monitor.check, monitor.stats
-    return train_step
 
 
 def make_forward(fn):
@@ -305,8 +182,8 @@ def _slice_kjt(kjt: KeyedJaggedTensor, d: int, n: int) -> KeyedJaggedTensor:
     weights = None if kjt.weights_or_none() is None else np.asarray(kjt.weights())
     take = np.concatenate([np.arange(offsets[k * stride + d * b], offsets[k * stride + (d + 1) * b])
                            for k in range(len(keys))]).astype(np.int64)
-    return KeyedJaggedTensor._make(keys, b, values[take], lengths[:, d * b:(d + 1) * b].ravel(),
-                                   None if weights is None else weights[take])
+    return KeyedJaggedTensor(keys, values[take], lengths=lengths[:, d * b:(d + 1) * b].ravel(),
+                             weights=None if weights is None else weights[take], stride=b)
 
 
 def _fit(kjt: KeyedJaggedTensor, capacity: int) -> KeyedJaggedTensor:
@@ -314,7 +191,7 @@ def _fit(kjt: KeyedJaggedTensor, capacity: int) -> KeyedJaggedTensor:
     weights = kjt.weights_or_none()
     weights = None if weights is None else np.asarray(weights)[:values.shape[0]]
     pad = capacity - values.shape[0]
-    return KeyedJaggedTensor._make(
-        kjt.keys(), kjt.stride(), np.pad(values, (0, pad)),
-        np.asarray(kjt.lengths(), np.int32),
-        None if weights is None else np.pad(weights, (0, pad)))
+    return KeyedJaggedTensor(
+        kjt.keys(), np.pad(values, (0, pad)), lengths=np.asarray(kjt.lengths(), np.int32),
+        weights=None if weights is None else np.pad(weights, (0, pad)), stride=kjt.stride(),
+        capacity=capacity)

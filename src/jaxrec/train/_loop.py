@@ -37,6 +37,7 @@ import optax
 from flax import nnx
 
 import jaxrec
+from jaxrec import NonFiniteError
 from jaxrec.checkpoint import (
     CheckpointLock,
     all_steps,
@@ -46,8 +47,7 @@ from jaxrec.checkpoint import (
     save_checkpoint,
 )
 from jaxrec.data import Prefetcher
-from jaxrec.nn import EmbeddingBagCollection, PartitionedOptimizer, make_train_step
-from jaxrec.optim import NonFiniteError
+from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves
 from jaxrec.train._progress import Progress
@@ -86,8 +86,8 @@ class _Run:
         self.config = config
         self.task = build_task(config)
         self.model = self.task.model
-        self.optimizer = PartitionedOptimizer(
-            self.model, _DENSE[config.dense_optimizer](config.dense_learning_rate))
+        self.optimizer = nnx.Optimizer(
+            self.model, _DENSE[config.dense_optimizer](config.dense_learning_rate), wrt=nnx.Param)
         self.history: dict = {"train": [], "eval": []}
         self.step = 0
         self.resumed: dict | None = None
@@ -250,11 +250,10 @@ class _Run:
             state, meta = restore_checkpoint(directory, _state(self.model, self.optimizer))
         applied = self._check_settings(meta, directory)
         nnx.update(self.model, state["model"])
-        self.optimizer.opt_state = state["opt_state"]  # optax keeps no rate: the new one holds
-        self.optimizer.step = meta.step
-        for _, module in nnx.iter_modules(self.model):  # the tables' rate was restored: set it
-            if isinstance(module, EmbeddingBagCollection) and module.fused:
-                module.set_learning_rate(self.config.table_learning_rate)
+        nnx.update(self.optimizer, state["optimizer"])  # optax keeps no rate: the new one holds
+        if any(isinstance(m, EmbeddingBagCollection) and m.fused
+               for _, m in nnx.iter_modules(self.model)):  # the tables' rate was restored: set it
+            set_learning_rate(self.model, self.config.table_learning_rate)
         self.step, self.history = meta["data_position"], _history(meta)
         set_aside = _set_aside_newer(Path(directory), meta.step)
         self.resumed = {"from_step": meta.step, "applied": applied,
@@ -281,7 +280,7 @@ class _Run:
 
 
 def _state(model, optimizer):
-    return {"model": nnx.state(model), "opt_state": optimizer.opt_state}
+    return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
 
 
 def _check_metadata(meta, directory) -> None:

@@ -1,8 +1,5 @@
 """The TBE backward with the optimizer fused in: ``fused_update`` (the explicit form).
 
-It lives in ``jaxrec.optim`` rather than ``jaxrec.ops`` so that the layers import one
-way only: optim builds on the ops (lookup, layout, sparse gradient), never the reverse.
-
 The table gradient is never materialised. Given the gradient of the lookup's output,
 every table row the batch touched is updated once, in place, with its duplicates'
 gradients summed first (FBGEMM's ``EXACT_*`` optimizers)::
@@ -24,7 +21,7 @@ Kernels: the ids are sorted with XLA's sort (a radix sort on the GPU), then one 
 (or one CPU task) per unique row sums the row's gradient in sorted order and applies
 ``jaxrec.optim.update_rows``' math (csrc/common/fused_optimizer.h) to the row and its
 state. Deterministic run to run. The reference is ``embedding_bag_sparse_grad`` +
-``jaxrec.optim.fused_update_reference``.
+``jaxrec.fused.fused_update_reference``.
 
 ``gradient_clipping`` is FBGEMM's: ``grad_output`` is clamped element-wise to
 ``[-max_gradient, max_gradient]`` before the backward, so the rows' summed gradients
@@ -45,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec import _ffi
+from jaxrec.fused._reference import fused_update_reference, reference_fits
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
 from jaxrec.ops.tbe_layout import (
     PoolingMode,
@@ -62,7 +60,6 @@ from jaxrec.ops.tbe_reference import (
 )
 from jaxrec.ops.tbe_sparse_grad import embedding_bag_sparse_grad
 from jaxrec.optim import _configs as C
-from jaxrec.optim._fused import fused_update_reference, reference_fits
 from jaxrec.optim._rowwise import clip_output_gradient
 from jaxrec.optim._state import buffer_fields, check_state
 
@@ -93,7 +90,7 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
       layout: the tables.
       config: the optimizer (static; hashable).
       hparams: traced numbers, ``config.hyperparams()`` when None: change the learning
-        rate through ``set_learning_rate`` without recompiling.
+        rate without recompiling (``hparams._replace(learning_rate=...)``).
       bounds_check_mode: as for the lookup, so both see the same corrected ids.
       backend: "auto", "kernel" or "reference".
       return_per_sample_weights_grad: also return the gradient of the lookup's output

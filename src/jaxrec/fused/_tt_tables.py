@@ -1,10 +1,10 @@
 """TT tables whose optimizer runs inside the backward: ``TTEmbeddingTables`` + ``tt_fused_lookup``.
 
-FBTT's ``sparse=True`` mode in the jaxrec pattern of ``fused_tables.py``: the backward of
+FBTT's ``sparse=True`` mode in the jaxrec pattern of ``_tables.py``: the backward of
 ``tt_fused_lookup`` computes the gradient of every core (summed over all ids of the
 batch), applies the optimizer to the cores and hands the *updated* tables back where a
-gradient would go. Train with ``fused_value_and_grad`` / ``make_train_step``
-(``jaxrec.optim``) or ``jaxrec.nn.make_train_step``, exactly as FBGEMM-style tables.
+gradient would go. Train with ``fused_value_and_grad``, ``make_functional_train_step``
+or ``jaxrec.nn.make_train_step``, exactly as FBGEMM-style tables.
 
 Optimizers: ``SGD`` and ``Adagrad`` (element-wise, FBTT's two), with the math of
 ``update_rows`` applied to the cores viewed as rows ``[r * p, q * r']``. A core entry
@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec import _step_guard
+from jaxrec.fused._tables import _record_update
 from jaxrec.ops import tt_cache as tc
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode
 from jaxrec.ops.tbe_layout import PoolingMode
@@ -60,7 +61,6 @@ from jaxrec.ops.tt_reference import (
 from jaxrec.optim import _configs as C
 from jaxrec.optim._rowwise import clip_output_gradient, update_rows
 from jaxrec.optim._state import buffer_fields
-from jaxrec.optim.fused_tables import _record_update
 
 TT_OPTIMIZERS = (C.SGD, C.Adagrad)
 
@@ -181,14 +181,9 @@ class TTEmbeddingTables:
         valid = jnp.ones(ids.shape, bool) if valid is None else valid
         return tc.cache_hit_rate(self.cache.to_cache(), ids, valid)
 
-    def set_learning_rate(self, learning_rate) -> TTEmbeddingTables:
-        """The same tables with a new learning rate (a traced value is fine)."""
-        return dataclasses.replace(
-            self, hparams=C.set_tables_learning_rate(self.config, self.hparams, learning_rate, self.name))
-
     def after_fused_update(self, updated: TTEmbeddingTables,
                            applied: jax.Array | None = None) -> TTEmbeddingTables:
-        """The tables after one fused update whose results ``updated`` carries (partitioned.py);
+        """The tables after one fused update whose results ``updated`` carries (_train_step.py);
         ``applied``: a bool scalar when a train step's guard gated the update."""
         cache = updated.cache
         if cache is not None:  # the cached ids come back as float0: only populate moves them
@@ -209,7 +204,7 @@ def tt_fused_lookup(tables: TTEmbeddingTables, indices, offsets, *,
                     backend: str = "auto") -> jax.Array:
     """``tt_embedding_bag`` of ``tables`` whose backward is the fused update (module doc).
 
-    Differentiate it with ``fused_value_and_grad`` or ``make_train_step`` only.
+    Differentiate it with ``fused_value_and_grad`` or a train step only.
     """
     if not isinstance(tables, TTEmbeddingTables):
         raise TypeError(f"tables must be TTEmbeddingTables, got {type(tables).__name__}")

@@ -1,6 +1,6 @@
-"""The partitioned optimizer: optax on the dense parameters, the fused update on the tables.
+"""The functional train step: optax on the dense parameters, the fused update on the tables.
 
-One jitted step trains a whole model::
+One jitted step trains a whole model held as pytrees (Flax NNX models: ``jaxrec.nn.make_train_step``)::
 
     tables = FusedEmbeddingTables.create(layout, RowWiseAdagrad(learning_rate=0.05), key=key)
     dense = optax.adam(1e-3)
@@ -9,11 +9,11 @@ One jitted step trains a whole model::
         acts = fused_lookup(tables, batch.indices, batch.offsets)
         return bce(mlp(params, acts), batch.labels)
 
-    step = make_train_step(loss_fn, dense)
+    step = make_functional_train_step(loss_fn, dense)
     opt_state = dense.init(params)
     params, opt_state, tables, loss = step(params, opt_state, tables, batch)
 
-``make_train_step`` donates ``params``, ``opt_state`` and ``tables``: the fused kernel
+``make_functional_train_step`` donates ``params``, ``opt_state`` and ``tables``: the fused kernel
 then updates the tables and their optimizer state in the buffers they already occupy.
 Without donation (``donate=False``) XLA keeps the old buffers alive and copies every
 table and state buffer each step — O(table) instead of O(batch); see docs/fused.md for
@@ -23,14 +23,16 @@ the returned ones.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import jax
 import optax
 
 from jaxrec import _step_guard
-from jaxrec.optim.fused_tables import FusedEmbeddingTables, record_updates
-from jaxrec.optim.tt_tables import TTEmbeddingTables
+from jaxrec.fused._tables import FusedEmbeddingTables, record_updates
+from jaxrec.fused._tt_tables import TTEmbeddingTables
+from jaxrec.optim._configs import set_tables_learning_rate
 
 FUSED_TYPES = (FusedEmbeddingTables, TTEmbeddingTables)
 """Pytrees whose lookup's backward returns their updated selves (``after_fused_update``)."""
@@ -38,6 +40,18 @@ FUSED_TYPES = (FusedEmbeddingTables, TTEmbeddingTables)
 
 def _is_tables(x) -> bool:
     return isinstance(x, FUSED_TYPES)
+
+
+def set_learning_rate(tables, learning_rate):
+    """``tables`` (fused tables, or any pytree holding them) with every fused optimizer's
+    learning rate set to ``learning_rate``: a float or a traced scalar, so no recompile.
+    Refused for tables whose config's rate is a schedule (it would be overridden)."""
+    def one(x):
+        if not _is_tables(x):
+            return x
+        return dataclasses.replace(x, hparams=set_tables_learning_rate(x.config, x.hparams,
+                                                                       learning_rate, x.name))
+    return jax.tree.map(one, tables, is_leaf=_is_tables)
 
 
 def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
@@ -90,10 +104,10 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
     return value_and_grad
 
 
-class TrainStep:
+class FunctionalTrainStep:
     """``step(params, opt_state, tables, *batch) -> (params, opt_state, tables, value)``.
 
-    Built by ``make_train_step``. Beside the call: ``check()`` raises what the last step
+    Built by ``make_functional_train_step``. Beside the call: ``check()`` raises what the last step
     found (steps are checked one call late, so the host never waits for the device), and
     ``stats()`` returns ``{"steps", "nonfinite_steps", "ids_corrected"}`` as host ints.
     """
@@ -125,8 +139,8 @@ def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, ha
                    on_nonfinite: str, messages: list, axis_name: str | None = None,
                    reduce_grads=None):
     """The pure step ``(params, opt_state, tables, *batch) -> (params, opt_state, tables,
-    value, StepStats)`` that ``make_train_step`` jits (``jaxrec.nn`` and
-    ``jaxrec.parallel`` build theirs on it). ``messages`` receives the FATAL messages of
+    value, StepStats)`` that ``make_functional_train_step`` jits (``jaxrec.nn.make_train_step``
+    builds its step on it too). ``messages`` receives the FATAL messages of
     the last trace, in the order of ``StepStats.fatal``. ``reduce_grads(grads)``: e.g. a
     ``psum`` over devices, applied before optax."""
     value_and_grad = fused_value_and_grad(loss_fn, has_aux=has_aux)
@@ -148,9 +162,9 @@ def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, ha
     return step
 
 
-def make_train_step(loss_fn, dense_optimizer: optax.GradientTransformation, *,
-                    has_aux: bool = False, donate: bool = True,
-                    on_nonfinite: str = "raise") -> TrainStep:
+def make_functional_train_step(loss_fn, dense_optimizer: optax.GradientTransformation, *,
+                               has_aux: bool = False, donate: bool = True,
+                               on_nonfinite: str = "raise") -> FunctionalTrainStep:
     """A jitted ``step(params, opt_state, tables, *batch) -> (params, opt_state, tables, value)``.
 
     ``params`` are trained by ``dense_optimizer`` (optax), ``tables`` by their fused
@@ -167,4 +181,4 @@ def make_train_step(loss_fn, dense_optimizer: optax.GradientTransformation, *,
     step = guarded_update(loss_fn, dense_optimizer, has_aux=has_aux, on_nonfinite=on_nonfinite,
                           messages=messages)
     jitted = jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
-    return TrainStep(jitted, messages, _step_guard.StepMonitor(on_nonfinite))
+    return FunctionalTrainStep(jitted, messages, _step_guard.StepMonitor(on_nonfinite))

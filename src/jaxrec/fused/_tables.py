@@ -3,7 +3,7 @@
 The ``custom_vjp`` form of the fused update (the jax-tpu-embedding pattern): the
 backward of ``fused_lookup`` applies the optimizer to the touched rows, in place, and
 hands the *updated* tables back where a gradient would go. Only
-``fused_value_and_grad`` / ``make_train_step`` (partitioned.py) may differentiate it:
+``fused_value_and_grad`` and the train steps built on it (_train_step.py) may differentiate it:
 they know that this "gradient" replaces the tables, and they guard the two traps of the
 pattern:
 
@@ -29,12 +29,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec import _step_guard
+from jaxrec.fused._update import _fused_update
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
 from jaxrec.ops.tbe import embedding_bag_lookup
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode, init_weights
 from jaxrec.optim import _configs as C
 from jaxrec.optim._state import buffer_fields, init_state, merge_optimizer_states, split_optimizer_states
-from jaxrec.optim.fused_update import _fused_update
 
 
 @functools.partial(jax.tree_util.register_dataclass,
@@ -102,14 +102,9 @@ class FusedEmbeddingTables:
                                        dtype=getattr(self.state, buffers[0]).dtype if buffers else None)
         return dataclasses.replace(self, state=state)
 
-    def set_learning_rate(self, learning_rate) -> FusedEmbeddingTables:
-        """The same tables with a new learning rate (a traced value is fine: no recompile)."""
-        return dataclasses.replace(
-            self, hparams=C.set_tables_learning_rate(self.config, self.hparams, learning_rate, self.name))
-
     def after_fused_update(self, updated: FusedEmbeddingTables,
                            applied: jax.Array | None = None) -> FusedEmbeddingTables:
-        """The tables after one fused update whose results ``updated`` carries (partitioned.py).
+        """The tables after one fused update whose results ``updated`` carries (_train_step.py).
 
         ``applied``: a bool scalar when a train step's guard gated the update (the kernel
         then touched no row; the step does not advance either)."""
@@ -134,7 +129,7 @@ def fused_lookup(tables: FusedEmbeddingTables, indices: jax.Array, offsets: jax.
                  backend: str = "auto", feature_names=None, table_names=None) -> jax.Array:
     """``embedding_bag_lookup`` of ``tables`` whose backward is the fused update (module doc).
 
-    Differentiate it with ``fused_value_and_grad`` or ``make_train_step`` only.
+    Differentiate it with ``fused_value_and_grad`` or a train step only.
     ``feature_names``, ``table_names``: ``[T]`` names for FATAL's message.
     """
     if not isinstance(tables, FusedEmbeddingTables):
@@ -211,7 +206,7 @@ _recording = threading.local()
 
 @contextlib.contextmanager
 def record_updates():
-    """Counts, per tables name, the fused backwards traced inside the block (partitioned.py)."""
+    """Counts, per tables name, the fused backwards traced inside the block (_train_step.py)."""
     stack = _recording.__dict__.setdefault("stack", [])
     counts: dict[str, int] = {}
     stack.append(counts)
@@ -225,8 +220,8 @@ def _record_update(name: str) -> None:
     stack = getattr(_recording, "stack", [])
     if not stack:
         raise RuntimeError(
-            "fused_lookup was differentiated outside jaxrec.optim.fused_value_and_grad / "
-            "make_train_step. Its backward returns the *updated* tables in place of a gradient, "
-            "which a plain optimizer would misread. Use those two, or embedding_bag_lookup for "
-            "tables trained by optax.")
+            "fused_lookup was differentiated outside jaxrec.fused.fused_value_and_grad and the "
+            "train steps (jaxrec.nn.make_train_step, jaxrec.fused.make_functional_train_step). "
+            "Its backward returns the *updated* tables in place of a gradient, which a plain "
+            "optimizer would misread. Use those, or embedding_bag_lookup for tables trained by optax.")
     stack[-1][name] = stack[-1].get(name, 0) + 1

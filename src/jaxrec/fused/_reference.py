@@ -24,7 +24,7 @@ from jaxrec.ops.tbe_layout import TableLayout
 from jaxrec.ops.tbe_sparse_grad import SparseRowGrad
 from jaxrec.optim import _configs as C
 from jaxrec.optim._rowwise import update_rows
-from jaxrec.optim._state import buffer_fields, check_state, row_offsets, state_offsets
+from jaxrec.optim._state import buffer_fields, check_state, state_offsets
 
 
 def reference_fits(layout: TableLayout, num_rows: int) -> bool:
@@ -98,7 +98,7 @@ def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad
     state_rows = config.state_type(step=state.step, **{
         name: getattr(state, name)[index[name]] for name in index})
 
-    keys = jnp.asarray(row_offsets(layout), index_dtype)[table] + row
+    keys = jnp.asarray(layout.row_offsets, index_dtype)[table] + row
     new_w, new_state = update_rows(config, hparams, weights[w_index], sparse_grad.grads[:, :max_dim],
                                    state_rows, dims=jnp.where(valid, dims, 0), keys=keys)
 
