@@ -79,7 +79,7 @@ def _losses(pooling, num_features):
     def head(params, out, target):
         return jnp.mean((jnp.tanh(out) @ params["w"] - target) ** 2)
 
-    def fused(params, tables, indices, offsets, psw, target):
+    def fused_loss(params, tables, indices, offsets, psw, target):
         out = fused.tt_fused_lookup(tables, indices, offsets, pooling=pooling, per_sample_weights=psw,
                                     num_features=num_features)
         return head(params, out, target)
@@ -89,7 +89,7 @@ def _losses(pooling, num_features):
                                per_sample_weights=psw, num_features=num_features)
         return head(params, out, target)
 
-    return fused, plain
+    return fused_loss, plain
 
 
 @pytest.mark.parametrize("name, pooling, weighted, num_features", [
