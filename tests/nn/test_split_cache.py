@@ -138,3 +138,18 @@ def test_an_optimizer_whose_wrt_selects_fused_tables_is_refused():
     opt = nnx.Optimizer(ebc, optax.sgd(0.1), wrt=nnx.Variable)
     with pytest.raises(ValueError, match="wrt=nnx.Param"):
         make_train_step(lambda m, k: jnp.sum(m(k).values()))(ebc, opt, kjt)
+
+
+def test_one_step_serves_optimizers_of_different_rates():
+    """Compiled steps are shared by equal optimizer graphdefs only: the tx is part of it."""
+    step = make_train_step(loss)
+    x, y = data(3)
+    trained = []
+    for lr in (0.1, 0.5):
+        model, reference = Scaled(nnx.Rngs(0)), Scaled(nnx.Rngs(0))
+        step(model, nnx.Optimizer(model, optax.sgd(lr), wrt=nnx.Param), x, y)
+        make_train_step(loss)(reference, nnx.Optimizer(reference, optax.sgd(lr), wrt=nnx.Param), x, y)
+        got, want = (np.asarray(m.layers[0].kernel[...]) for m in (model, reference))
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        trained.append(got)
+    assert not np.allclose(trained[0], trained[1])
