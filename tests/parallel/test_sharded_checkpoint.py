@@ -18,6 +18,7 @@ from parallel_testing import TABLES, build, mesh, plan
 
 import jaxrec.parallel as par
 from jaxrec import checkpoint
+from jaxrec.nn import TableCollection
 from jaxrec.optim import RowWiseAdagrad
 
 OPTIMIZER = RowWiseAdagrad(learning_rate=0.1)
@@ -108,3 +109,32 @@ def test_stateful_optax_on_plain_sharded_tables_is_not_portable():
         par.portable_state(model, nnx.Optimizer(model, optax.adagrad(0.1), wrt=nnx.Param))
     state = par.portable_state(model, nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param))
     assert state["model"]["sparse_arch"]["tables"]["t_x"]["weights"].shape == (50, 8)
+
+
+@pytest.mark.parametrize("how", ["planner", "row_wise"])
+def test_a_sharded_collection_sets_and_reads_tables_like_the_unsharded_one(how):
+    """The jaxrec.nn.TableCollection interface on ShardedEmbeddingBagCollection (its
+    defaults, built on the portable form): weights and optimizer state in and out."""
+    model, _ = model_on(8, 0, how)
+    single = build(OPTIMIZER)
+    rng = np.random.default_rng(5)
+    weights = {t.name: rng.normal(size=(t.num_embeddings, t.embedding_dim)).astype(np.float32)
+               for t in TABLES}
+    states = {name: {k: rng.uniform(0.1, 1.0, np.shape(v)).astype(np.float32) for k, v in s.items()}
+              for name, s in single.sparse_arch.split_optimizer_states().items()}
+    for ebc in (model.sparse_arch, single.sparse_arch):
+        assert isinstance(ebc, TableCollection)
+        ebc.set_embedding_weights(weights)
+        ebc.set_optimizer_states(states, step=7)
+    for ebc in (model.sparse_arch, single.sparse_arch):
+        for name, w in ebc.split_embedding_weights().items():
+            np.testing.assert_array_equal(np.asarray(w), weights[name])
+        for name, s in ebc.split_optimizer_states().items():
+            assert set(s) == set(states[name])
+            for k, v in s.items():
+                np.testing.assert_array_equal(np.asarray(v), states[name][k])
+        assert all(int(t["step"]) == 7 for t in ebc.portable_tables().values())
+    with pytest.raises(ValueError, match="no table"):
+        model.sparse_arch.set_embedding_weights({"nope": weights[TABLES[0].name]})
+    with pytest.raises(ValueError, match="has shape"):
+        model.sparse_arch.set_embedding_weights({TABLES[0].name: np.zeros((1, 1), np.float32)})
