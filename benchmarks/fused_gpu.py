@@ -13,7 +13,7 @@ bags of L uniform random ids, duplicates included):
   in), weights and state donated, from a precomputed random ``grad_output``.
 * sort_keys: the part of fused_update that XLA runs before the kernel (bags, row keys, their
   sort), with whether the compiled sort is CUB's radix sort.
-* step_<opt>: a whole step from ``make_train_step`` (donated): fused lookup, a small dense
+* step_<opt>: a whole step from ``make_functional_train_step`` (donated): fused lookup, a small dense
   part (loss = mean((acts @ v)^2), optax SGD on v), the fused update of the tables.
 * peers, each a whole step of the same loss, jitted and donated: jax_exact_rowwise_adagrad
   (jnp.take forward, per-position gradient rows, jnp.unique + segment_sum to merge
