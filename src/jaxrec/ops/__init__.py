@@ -1,4 +1,5 @@
-"""Functional ops: each is validation + an XLA FFI call + a pure-jnp reference."""
+"""Functional ops: each is validation + an XLA FFI call + a pure-jnp reference, except
+``top_k_retrieval``, whose kernels are XLA's own matmul and top-k."""
 
 from jaxrec.ops.bounds_check import (
     BoundsCheckMode,
@@ -6,6 +7,7 @@ from jaxrec.ops.bounds_check import (
     bounds_check_indices,
     bounds_check_indices_reference,
 )
+from jaxrec.ops.retrieval import top_k_retrieval
 from jaxrec.ops.tbe import embedding_bag_lookup
 from jaxrec.ops.tbe_kjt import embedding_bag_lookup_kjt
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, init_weights
@@ -35,6 +37,7 @@ __all__ = [
     "init_tt_cores",
     "init_weights",
     "suggested_tt_shapes",
+    "top_k_retrieval",
     "tt_embedding_bag",
     "tt_embedding_bag_reference",
     "tt_full_weight",
