@@ -57,9 +57,16 @@ class TwoTower(nnx.Module):
         self.bias = nnx.Param(jnp.asarray(bias, jnp.float32))
 
     def __call__(self, sparse_features: KeyedJaggedTensor) -> jax.Array:
+        query, candidate = self.embed(sparse_features)
+        return jnp.sum(query * candidate, axis=1) + self.bias[...]
+
+    def embed(self, sparse_features: KeyedJaggedTensor) -> tuple[jax.Array, jax.Array]:
+        """The towers' outputs ``(query [B, H], candidate [B, H])``: for retrieval losses
+        over the batch (``in_batch_softmax_loss``) and for indexing the candidates
+        (``jaxrec.ops.top_k_retrieval``)."""
         pooled = self.sparse_arch(sparse_features)
         query = jnp.concatenate([pooled[f] for f in self.query_features], axis=1)
         candidate = jnp.concatenate([pooled[f] for f in self.candidate_features], axis=1)
         if self.query_tower is not None:
             query, candidate = self.query_tower(query), self.candidate_tower(candidate)
-        return jnp.sum(query * candidate, axis=1) + self.bias[...]
+        return query, candidate
