@@ -4,6 +4,8 @@
 - ``MovieLensReader``, ``load_movielens_ratings``, ``movielens_100k_split``,
   ``movielens_ids``: MovieLens ratings (ML-100K ``u.data`` and splits, ML-1M/10M
   ``ratings.dat``, ``ratings.csv``), ids re-indexed densely.
+- ``random_split``, ``k_fold``, ``leave_last_out``, ``temporal_split``: train / validation /
+  test parts of a ratings set (disjoint, covering, deterministic by seed).
 - ``DataFormatError`` (a malformed file, naming the line) and ``DataFileError`` (a file
   that cannot be read), both ``ValueError`` s.
 - ``SyntheticClickLog``: Zipf ids over Criteo-like tables, jagged bags, labels from a
@@ -32,6 +34,7 @@ from jaxrec.data._movielens import (
     movielens_ids,
 )
 from jaxrec.data._prefetch import Prefetcher
+from jaxrec.data._splits import k_fold, leave_last_out, random_split, temporal_split
 from jaxrec.data._synthetic import BagLengths, SyntheticClickLog, SyntheticSample
 
 __all__ = [
@@ -53,7 +56,11 @@ __all__ = [
     "SyntheticSample",
     "dense_log1p",
     "dense_log_plus3",
+    "k_fold",
+    "leave_last_out",
     "load_movielens_ratings",
     "movielens_100k_split",
     "movielens_ids",
+    "random_split",
+    "temporal_split",
 ]
