@@ -156,3 +156,26 @@ def test_train_step_rejects_a_plain_optax_state():
     with pytest.raises(TypeError, match="nnx.Optimizer"):
         make_train_step(bce)(model, optax.sgd(0.1).init(nnx.state(model, nnx.Param)),
                              next(log.batches(8)))
+
+
+def test_biased_matrix_factorisation_scores_global_plus_biases_plus_factors():
+    rng = np.random.default_rng(1)
+    users, items, dim = 7, 5, 4
+    tables = [EmbeddingBagConfig(name="t_user", num_embeddings=users, embedding_dim=dim,
+                                 feature_names=["user_id"]),
+              EmbeddingBagConfig(name="t_item", num_embeddings=items, embedding_dim=dim,
+                                 feature_names=["item_id"])]
+    ebc = EmbeddingBagCollection(tables, rngs=nnx.Rngs(0))
+    p, q = rng.normal(size=(users, dim)), rng.normal(size=(items, dim))
+    ebc.set_embedding_weights({"t_user": p, "t_item": q})
+    model = TwoTower(ebc, ["user_id"], ["item_id"], bias=3.5, biased=True, rngs=nnx.Rngs(1))
+    from jaxrec.data._batch import batch_from_ids
+
+    ids = np.stack([rng.integers(0, users, 11), rng.integers(0, items, 11)], 1)
+    b = batch_from_ids(["user_id", "item_id"], ids, np.zeros((11, 0), np.float32),
+                       np.zeros(11, np.float32), 11)
+    pu, qi = p[ids[:, 0]], q[ids[:, 1]]
+    want = 3.5 + pu[:, -1] + qi[:, -1] + np.sum(pu[:, :-1] * qi[:, :-1], axis=1)
+    np.testing.assert_allclose(np.asarray(model(b.sparse)), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="biased=True needs layer_sizes=()"):
+        TwoTower(ebc, ["user_id"], ["item_id"], (8,), biased=True, rngs=nnx.Rngs(1))

@@ -7,6 +7,12 @@
 With ``layer_sizes=()`` the towers are the identity and the score is the dot product of
 the pooled embeddings, i.e. matrix factorisation (then Dq must equal Dc). The towers' last
 layer has no activation, so scores can be negative.
+
+``biased=True`` is biased matrix factorisation (Koren's SVD baseline + factors): the last
+column of each side's pooled embedding is that user's or item's bias, and the score is
+``global + b_u + b_i + <p_u, q_i>`` over the other columns. The biases live in the same
+rows as the factors, so one lookup per side trains both and the fused optimizer (with its
+weight decay) treats them alike.
 """
 
 from __future__ import annotations
@@ -31,11 +37,14 @@ class TwoTower(nnx.Module):
       layer_sizes: each tower's MLP (the last size is the shared output width); ``()`` for
         matrix factorisation.
       bias: the initial value of a learned global offset (e.g. the mean rating).
+      biased: the last embedding column of each side is a per-user / per-item bias (module
+        doc); needs ``layer_sizes=()``.
     """
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection,
                  query_features: Sequence[str], candidate_features: Sequence[str],
-                 layer_sizes: Sequence[int] = (), *, bias: float = 0.0, rngs: nnx.Rngs):
+                 layer_sizes: Sequence[int] = (), *, bias: float = 0.0, biased: bool = False,
+                 rngs: nnx.Rngs):
         dims = {f: t.embedding_dim for t in embedding_bag_collection.embedding_bag_configs()
                 for f in t.feature_names}
         unknown = [f for f in [*query_features, *candidate_features] if f not in dims]
@@ -54,10 +63,18 @@ class TwoTower(nnx.Module):
                              f"need one width, got {widths[0]} and {widths[1]}")
         else:
             self.query_tower = self.candidate_tower = None
+        if biased and (layer_sizes or widths[0] < 2):
+            raise ValueError("biased=True needs layer_sizes=() (matrix factorisation) and "
+                             f"embeddings of at least 2 columns (factors + bias), got layer_sizes="
+                             f"{tuple(layer_sizes)} and width {widths[0]}")
+        self.biased = biased
         self.bias = nnx.Param(jnp.asarray(bias, jnp.float32))
 
     def __call__(self, sparse_features: KeyedJaggedTensor) -> jax.Array:
         query, candidate = self.embed(sparse_features)
+        if self.biased:  # factors | bias on each side
+            return (jnp.sum(query[:, :-1] * candidate[:, :-1], axis=1) + query[:, -1]
+                    + candidate[:, -1] + self.bias[...])
         return jnp.sum(query * candidate, axis=1) + self.bias[...]
 
     def embed(self, sparse_features: KeyedJaggedTensor) -> tuple[jax.Array, jax.Array]:
