@@ -277,3 +277,25 @@ def test_error_non_finite_rating_in_memory():
     ratings.ratings[3] = np.inf
     with pytest.raises(ValueError, match=r"the ratings: rating 3 is inf, not a finite number"):
         MovieLensReader(ratings, batch_size=2)
+
+
+def test_each_pass_is_a_new_order_that_a_new_reader_replays(tmp_path):
+    ratings = load_movielens_ratings(write(tmp_path / "u.data", make_ratings(43), "tab"))
+
+    def pairs(batches):
+        out = []
+        for batch in batches:
+            got = bags(batch.sparse)
+            out += [(got["user_id"][b][0], got["item_id"][b][0]) for b in range(valid_rows(batch))]
+        return out
+
+    reader = MovieLensReader(ratings, batch_size=8, shuffle_seed=3, last_batch="drop")
+    passes = [pairs(reader.one_pass(k)) for k in range(3)]
+    assert pairs(iter(reader)) == passes[0]
+    assert len({tuple(p) for p in passes}) == 3  # a new order each pass
+    # the 3 ratings dropped at the end are not the same in every pass
+    everything = sorted(pairs(MovieLensReader(ratings, batch_size=43)))
+    dropped = [set(everything) - set(p) for p in passes]
+    assert all(len(d) == 3 for d in dropped) and len(set().union(*dropped)) > 3
+    again = MovieLensReader(ratings, batch_size=8, shuffle_seed=3, last_batch="drop")
+    assert [pairs(again.one_pass(k)) for k in range(3)] == passes  # by seed and number only

@@ -419,7 +419,8 @@ def test_windowed_auc_bad_window_size(window_size):
 def test_public_api_and_imports():
     assert sorted(metrics.__all__) == sorted(
         ["auc", "log_loss", "rmse", "mae", "StreamingAUC", "WindowedAUC", "StreamingLogLoss",
-         "StreamingRMSE", "StreamingMAE"]
+         "StreamingRMSE", "StreamingMAE", "ranking_metrics", "recall_at_k", "ndcg_at_k",
+         "hit_rate_at_k", "mrr"]
     )
     import jaxrec.data
 

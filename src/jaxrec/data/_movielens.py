@@ -231,7 +231,9 @@ class MovieLensReader:
       user_ids, item_ids: the raw ids of the table rows, in row order (default: the
         source's distinct ids, sorted); pass ``movielens_ids(train, test)`` to every split.
       max_rows: caps each table; the dense index ``i`` uses row ``i % max_rows``.
-      shuffle_seed: ``None`` keeps file order; an int shuffles (the same order each pass).
+      shuffle_seed: ``None`` keeps file order; an int shuffles, a new order each pass
+        (``passes``; ``iter(reader)`` is pass 0), so that a dropped last batch is never the
+        same ratings twice.
       last_batch: ``"pad"`` (pad with mask 0) or ``"drop"`` a partial last batch.
 
     Attributes ``num_users`` / ``num_items`` are the table sizes, ``user_ids`` /
@@ -283,9 +285,15 @@ class MovieLensReader:
         return n // b if self.last_batch == "drop" else -(-n // b)
 
     def __iter__(self) -> Iterator[Batch]:
+        return self.one_pass(0)
+
+    def one_pass(self, number: int) -> Iterator[Batch]:
+        """Pass ``number`` (from 0) over the ratings: its order depends on the seed and the
+        number only, so a resumed run replays the passes of the run it continues."""
         ids, labels = self._rows, self.ratings.ratings
         if self.shuffle_seed is not None:
-            order = np.random.default_rng(self.shuffle_seed).permutation(len(labels))
+            seed = self.shuffle_seed if number == 0 else [self.shuffle_seed, number]
+            order = np.random.default_rng(seed).permutation(len(labels))
             ids, labels = ids[order], labels[order]
         dense = np.zeros((len(labels), 0), np.float32)
         chunks = [(labels, dense, ids)]

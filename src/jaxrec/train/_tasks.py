@@ -86,13 +86,13 @@ def table_memory(ebc: EmbeddingBagCollection) -> dict[str, int]:
         "tt_tables_stored_floats": tt_stored}
 
 
-def _passes(config: TrainConfig, one_pass: Callable[[], Iterator], source: str) -> Iterator:
+def _passes(config: TrainConfig, one_pass: Callable[[int], Iterator], source: str) -> Iterator:
     """Passes over a file, chained: endless when the run is counted in steps, else
-    ``epochs``. A pass that yields nothing is an error: chaining endless empty passes would
-    spin at 100% CPU forever."""
+    ``epochs``; ``one_pass(number)`` from 0. A pass that yields nothing is an error:
+    chaining endless empty passes would spin at 100% CPU forever."""
     for number in itertools.count(1) if config.steps else range(1, config.epochs + 1):
         empty = True
-        for batch in one_pass():
+        for batch in one_pass(number - 1):
             empty = False
             yield batch
         if empty:
@@ -126,7 +126,7 @@ def _ctr_task(config: TrainConfig) -> Task:
         held_out = _held_out_criteo(reader, config)
         steps_per_epoch = None
 
-        def one_pass():  # each pass skips the held-out batches
+        def one_pass(_):  # each pass skips the held-out batches
             return itertools.islice(iter(reader), config.eval_batches, None)
 
         def train_batches(position):
@@ -211,7 +211,7 @@ def _ratings_task(config: TrainConfig) -> Task:
                      rngs=nnx.Rngs(config.seed + 1))
 
     def train_batches(position):
-        return itertools.islice(_passes(config, lambda: iter(reader), str(path)), position, None)
+        return itertools.islice(_passes(config, reader.one_pass, str(path)), position, None)
 
     def loss_fn(model, batch):
         return _masked_mean((model(batch.sparse) - batch.labels) ** 2, batch)
