@@ -133,6 +133,18 @@ def test_movielens_ratings_train(tmp_path, layout):
     assert rmse < float(np.std(rating)), rmse  # better than predicting the mean
 
 
+def test_rating_predictions_stay_on_the_star_scale(tmp_path):
+    rng = np.random.default_rng(4)
+    lines = "".join(f"{rng.integers(1, 9)}\t{rng.integers(1, 7)}\t{rng.integers(1, 6)}\t{k}\n"
+                    for k in range(40))
+    (tmp_path / "u.data").write_text(lines)
+    task = build_task(TrainConfig(data=f"movielens:{tmp_path / 'u.data'}", batch_size=8, steps=1))
+    for offset, want in ((100.0, 5.0), (-100.0, 0.5)):  # a model far off either end
+        task.model.bias[...] = offset
+        got = np.concatenate([np.asarray(task.predict(task.model, b)) for b in task.eval_batches])
+        assert (got == want).all(), (offset, got)
+
+
 @pytest.mark.parametrize("args, message", [
     (["--data", "parquet:x"], "data must be 'synthetic', 'criteo:PATH' or 'movielens:PATH'"),
     (["--data", "movielens:x", "--model", "dlrm"], "does not fit data 'movielens'"),

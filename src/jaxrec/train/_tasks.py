@@ -216,8 +216,8 @@ def _ratings_task(config: TrainConfig) -> Task:
     def loss_fn(model, batch):
         return _masked_mean((model(batch.sparse) - batch.labels) ** 2, batch)
 
-    def predict(model, batch):
-        return model(batch.sparse)
+    def predict(model, batch):  # a rating is on the star scale: clipping only helps RMSE
+        return jnp.clip(model(batch.sparse), *data.MOVIELENS_RATING_RANGE)
 
     info = {"task": "ratings", "num_users": len(user_ids), "num_items": len(item_ids),
             "table_sizes": list(sizes), "train_ratings": len(train), "test_ratings": len(test)}
