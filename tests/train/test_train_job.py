@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxrec.checkpoint import all_steps, restore_checkpoint
 from jaxrec.train import TrainConfig, main, train
-from jaxrec.train._tasks import build_task
+from jaxrec.train._tasks import best_evaluation, build_task
 
 SMALL = dict(batch_size=128, max_rows=500, embedding_dim=8, eval_every=20, eval_batches=2)
 CRITEO_SAMPLE = (Path(__file__).resolve().parents[3] / "shared" / "data" / "criteo_sample"
@@ -129,8 +129,19 @@ def test_movielens_ratings_train(tmp_path, layout):
                          out_dir=str(tmp_path / "out"))
     record = train(config)
     assert config.model == "mf" and record["steps"] == 8 * (1080 // 64)
-    rmse = json.loads((tmp_path / "out" / "metrics.json").read_text())["final"]["rmse"]
+    written = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    rmse = written["final"]["rmse"]
     assert rmse < float(np.std(rating)), rmse  # better than predicting the mean
+    assert written["best"] == best_evaluation("ratings", written["history"]["eval"])
+
+
+def test_best_evaluation_is_the_best_point_of_the_curve():
+    curve = [{"step": 10, "rmse": 1.2, "mae": 0.9}, {"step": 20, "rmse": 0.95, "mae": 0.8},
+             {"step": 30, "rmse": 0.95, "mae": 0.7}, {"step": 40, "rmse": 1.01, "mae": 0.6}]
+    assert best_evaluation("ratings", curve) == curve[1]  # lowest RMSE, earliest of equals
+    clicks = [{"step": 5, "auc": 0.7, "log_loss": 0.5}, {"step": 9, "auc": 0.71, "log_loss": 0.6}]
+    assert best_evaluation("ctr", clicks) == clicks[1]  # highest AUC
+    assert best_evaluation("ctr", []) == {}
 
 
 def test_rating_predictions_stay_on_the_star_scale(tmp_path):

@@ -51,7 +51,7 @@ from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves
 from jaxrec.train._progress import Progress
-from jaxrec.train._tasks import build_task
+from jaxrec.train._tasks import best_evaluation, build_task
 
 _DENSE = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd}
 _LOG_EVERY = 50  # steps between training-loss points (and progress lines off a terminal)
@@ -227,6 +227,7 @@ class _Run:
             else None,
             "final": ({k: v for k, v in self.history["eval"][-1].items() if k != "step"}
                       if self.history["eval"] else {}),
+            "best": best_evaluation(self.task.info["task"], self.history["eval"]),
             "history": self.history,
         }
         out = Path(config.out_dir)

@@ -44,6 +44,21 @@ class Task:
         return {"rmse": metrics.rmse(y, s, w), "mae": metrics.mae(y, s, w)}
 
 
+PRIMARY_METRIC = {"ctr": ("auc", max), "ratings": ("rmse", min)}
+"""Per task, the held-out metric that ranks evaluations, and which end is best."""
+
+
+def best_evaluation(task: str, evaluations: list[dict]) -> dict:
+    """The evaluation (``{"step", metric: value, ...}``) best by the task's primary metric;
+    the earliest among equals; ``{}`` before any."""
+    name, pick = PRIMARY_METRIC[task]
+    scored = [e for e in evaluations if e.get(name) is not None]
+    if not scored:
+        return {}
+    best = pick(e[name] for e in scored)
+    return next(e for e in scored if e[name] == best)
+
+
 def build_task(config: TrainConfig) -> Task:
     if config.data_kind == "movielens":
         return _ratings_task(config)
