@@ -144,6 +144,16 @@ def test_best_evaluation_is_the_best_point_of_the_curve():
     assert best_evaluation("ctr", []) == {}
 
 
+def test_a_run_in_epochs_evaluates_at_every_epoch_end(tmp_path):
+    rng = np.random.default_rng(5)
+    (tmp_path / "u.data").write_text("".join(
+        f"{rng.integers(1, 20)}\t{rng.integers(1, 15)}\t{rng.integers(1, 6)}\t{k}\n" for k in range(300)))
+    record = train(TrainConfig(data=f"movielens:{tmp_path / 'u.data'}", batch_size=32, epochs=3,
+                               steps=None, out_dir=str(tmp_path / "out")))
+    per_epoch = 270 // 32  # 90% of the ratings train; the partial last batch is dropped
+    assert [e["step"] for e in record["history"]["eval"]] == [per_epoch, 2 * per_epoch, 3 * per_epoch]
+
+
 def test_rating_predictions_stay_on_the_star_scale(tmp_path):
     rng = np.random.default_rng(4)
     lines = "".join(f"{rng.integers(1, 9)}\t{rng.integers(1, 7)}\t{rng.integers(1, 6)}\t{k}\n"

@@ -31,7 +31,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tt-ranks", type=_ints, default=d.tt_ranks, metavar="R1,R2",
                    help="TT-compress the tables of >= --tt-min-rows rows with these ranks")
     p.add_argument("--tt-min-rows", type=int, default=d.tt_min_rows)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="steps between evaluations; default: every epoch with --epochs, else 250")
     p.add_argument("--eval-batches", type=int, default=d.eval_batches)
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, help="default: at each evaluation")

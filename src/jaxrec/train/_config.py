@@ -58,7 +58,9 @@ class TrainConfig:
     ranks, e.g. (8, 8) for three cores; () keeps all tables dense. A TT table trains with
     fused Adagrad (SGD when table_optimizer is sgd; plain optax when it is plain)."""
     tt_min_rows: int = 10_000
-    eval_every: int = 250
+    eval_every: int | None = None
+    """Steps between held-out evaluations; None: at the end of every epoch when the run is
+    counted in epochs, else every 250 steps."""
     eval_batches: int = 4
     """Batches of held-out data per evaluation (all of the test split for movielens)."""
     checkpoint_dir: str | None = None
@@ -97,10 +99,9 @@ class TrainConfig:
         if not 0 <= len(self.tt_ranks) <= 3 or not all(
                 isinstance(r, int) and r >= 1 for r in self.tt_ranks):
             raise ValueError(f"tt_ranks must be () or 1 to 3 ints >= 1, got {self.tt_ranks!r}")
-        for name in ("batch_size", "embedding_dim", "max_rows", "eval_every", "eval_batches",
-                     "tt_min_rows"):
+        for name in ("batch_size", "embedding_dim", "max_rows", "eval_batches", "tt_min_rows"):
             _positive(name, getattr(self, name))
-        for name in ("steps", "epochs", "checkpoint_every"):
+        for name in ("steps", "epochs", "checkpoint_every", "eval_every"):
             if getattr(self, name) is not None:
                 _positive(name, getattr(self, name))
         if self.steps is None and self.epochs is None:

@@ -55,6 +55,7 @@ from jaxrec.train._tasks import best_evaluation, build_task
 
 _DENSE = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd}
 _LOG_EVERY = 50  # steps between training-loss points (and progress lines off a terminal)
+_EVAL_EVERY = 250  # steps between evaluations of a run counted in steps (--eval-every)
 _KEEP = 3  # checkpoints kept in checkpoint_dir
 
 
@@ -125,8 +126,9 @@ class _Run:
     # --- the steps -------------------------------------------------------------------
 
     def _loop(self) -> None:
-        config, total = self.config, self.total
-        checkpoint_every = config.checkpoint_every or config.eval_every
+        config, total, per_epoch = self.config, self.total, self.task.steps_per_epoch
+        eval_every = config.eval_every or (per_epoch if config.epochs and per_epoch else _EVAL_EVERY)
+        checkpoint_every = config.checkpoint_every or eval_every
         losses = []
         tick = time.perf_counter()
         batches = self.task.train_batches(self.step)
@@ -141,7 +143,9 @@ class _Run:
                     now = time.perf_counter()
                     self._log(losses, now - tick)
                     losses, tick = [], now
-                if step % config.eval_every == 0 or step == total:
+                if per_epoch:
+                    self.status["epoch"] = f"{step / per_epoch:.2f}"
+                if step % eval_every == 0 or step == total:
                     self._evaluate()
                     tick = time.perf_counter()  # evaluation time is not training time
                 if config.checkpoint_dir and (step % checkpoint_every == 0 or step == total):
