@@ -237,7 +237,8 @@ class _Run:
         out = Path(config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(_finite(record), indent=2) + "\n")
-        plot_curves(self.history, out / "curves.png", f"{config.model} on {config.data}")
+        plot_curves(self.history, out / "curves.png", f"{config.model} on {config.data}",
+                    record["best"])
         return record
 
     # --- resume ----------------------------------------------------------------------

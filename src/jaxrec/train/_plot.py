@@ -1,11 +1,12 @@
-"""The PNG of a run: training loss and the held-out metrics against the step."""
+"""The PNG of a run: training loss and the held-out metrics against the step, with the
+best evaluation (``best``, as metrics.json records it) marked on every held-out panel."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def plot_curves(history: dict, path: Path, title: str) -> None:
+def plot_curves(history: dict, path: Path, title: str, best: dict | None = None) -> None:
     import matplotlib
 
     matplotlib.use("Agg")  # no display needed
@@ -20,6 +21,11 @@ def plot_curves(history: dict, path: Path, title: str) -> None:
     axes[0].set(xlabel="step", ylabel="training loss", title="training")
     for ax, name in zip(axes[1:], names):
         ax.plot([e["step"] for e in evals], [e[name] for e in evals], "o-", color="tab:orange")
+        if best and best.get(name) is not None:
+            ax.axvline(best["step"], color="tab:green", linestyle="--", linewidth=1)
+            ax.plot([best["step"]], [best[name]], "*", color="tab:green", markersize=12,
+                    label=f"best (step {best['step']})")
+            ax.legend(fontsize=8)
         ax.set(xlabel="step", ylabel=name, title=f"held-out {name}")
     for ax in axes:
         ax.grid(alpha=0.3)
