@@ -48,6 +48,13 @@ def copy(tree):
     return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, tree)
 
 
+# The step (one jitted program) and the explicit form (op by op) round the dense path
+# differently: a relative error of about total_dim float32 roundoffs in a row's gradient.
+# Row-wise Adagrad scales the gradient by 1/sqrt(mean g^2) (at most sqrt(dim) per
+# element), so each step's update may differ by lr * sqrt(dim) * total_dim * 2**-24.
+WEIGHTS_ATOL = 3 * 0.5 * np.sqrt(max(LAYOUT.dims)) * LAYOUT.total_dim * 2.0**-24  # 3 steps, lr 0.5
+
+
 def test_step_equals_the_explicit_form_and_optax(platform):
     tables, params, dense = new_tables(), dense_params(), optax.adam(0.01)
     opt_state = dense.init(params)
@@ -70,7 +77,7 @@ def test_step_equals_the_explicit_form_and_optax(platform):
 
         params, opt_state, tables, got_loss = step(params, opt_state, tables, indices, offsets)
         np.testing.assert_allclose(got_loss, loss, rtol=1e-6)
-        np.testing.assert_allclose(tables.weights, want_w, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(tables.weights, want_w, rtol=1e-5, atol=WEIGHTS_ATOL)
         np.testing.assert_allclose(tables.state.momentum1, want_s.momentum1, rtol=1e-5, atol=1e-9)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), params, want_p)
     assert int(tables.step) == 3
