@@ -142,7 +142,7 @@ def random_weights(rows, dim, bound, seed):
 
 
 def sorted_keys(layout, indices, offsets):
-    """What fused_update asks XLA for before its kernel (jaxrec/optim/fused_update.py)."""
+    """What fused_update asks XLA for before its kernel (jaxrec/fused/_update.py)."""
     bag = bag_of_position(offsets, indices.shape[0])
     key = row_keys(layout, indices, bag, offsets.shape[0] - 1)
     k, p = jax.lax.sort_key_val(key, jnp.arange(indices.shape[0], dtype=indices.dtype))
