@@ -98,16 +98,18 @@ def test_reader_batches_match_reference(tmp_path, fmt, last_batch):
     assert row == (20 if last_batch == "drop" else 23)
 
 
+def rows(batches):
+    """(user row, item row, rating) of every valid row of ``batches``, in order."""
+    out = []
+    for batch in batches:
+        got = bags(batch.sparse)
+        out += [(got["user_id"][b][0], got["item_id"][b][0], float(batch.labels[b]))
+                for b in range(valid_rows(batch))]
+    return out
+
+
 def test_shuffle_is_a_deterministic_permutation(tmp_path):
     ratings = load_movielens_ratings(write(tmp_path / "u.data", make_ratings(40), "tab"))
-
-    def rows(reader):
-        out = []
-        for batch in reader:
-            got = bags(batch.sparse)
-            out += [(got["user_id"][b][0], got["item_id"][b][0], float(batch.labels[b]))
-                    for b in range(valid_rows(batch))]
-        return out
 
     plain = rows(MovieLensReader(ratings, batch_size=8))
     a = rows(MovieLensReader(ratings, batch_size=8, shuffle_seed=3))
@@ -281,21 +283,13 @@ def test_error_non_finite_rating_in_memory():
 
 def test_each_pass_is_a_new_order_that_a_new_reader_replays(tmp_path):
     ratings = load_movielens_ratings(write(tmp_path / "u.data", make_ratings(43), "tab"))
-
-    def pairs(batches):
-        out = []
-        for batch in batches:
-            got = bags(batch.sparse)
-            out += [(got["user_id"][b][0], got["item_id"][b][0]) for b in range(valid_rows(batch))]
-        return out
-
     reader = MovieLensReader(ratings, batch_size=8, shuffle_seed=3, last_batch="drop")
-    passes = [pairs(reader.one_pass(k)) for k in range(3)]
-    assert pairs(iter(reader)) == passes[0]
+    passes = [rows(reader.one_pass(k)) for k in range(3)]
+    assert rows(iter(reader)) == passes[0]
     assert len({tuple(p) for p in passes}) == 3  # a new order each pass
     # the 3 ratings dropped at the end are not the same in every pass
-    everything = sorted(pairs(MovieLensReader(ratings, batch_size=43)))
+    everything = sorted(rows(MovieLensReader(ratings, batch_size=43)))
     dropped = [set(everything) - set(p) for p in passes]
     assert all(len(d) == 3 for d in dropped) and len(set().union(*dropped)) > 3
     again = MovieLensReader(ratings, batch_size=8, shuffle_seed=3, last_batch="drop")
-    assert [pairs(again.one_pass(k)) for k in range(3)] == passes  # by seed and number only
+    assert [rows(again.one_pass(k)) for k in range(3)] == passes  # by seed and number only

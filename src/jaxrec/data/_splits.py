@@ -56,8 +56,9 @@ def leave_last_out(ratings: MovieLensRatings, n: int = 1) -> tuple[MovieLensRati
     # By user, then time, then line: each user's ratings end with its latest.
     order = np.lexsort((np.arange(size), ratings.timestamps, ratings.users))
     users = ratings.users[order]
-    group = np.cumsum(np.r_[True, users[1:] != users[:-1]]) - 1  # the user's group per position
-    ends = np.flatnonzero(np.r_[users[1:] != users[:-1], True])  # each group's last position
+    change = users[1:] != users[:-1]  # a new user starts after this position
+    group = np.cumsum(np.r_[True, change]) - 1  # the user's group per position
+    ends = np.flatnonzero(np.r_[change, True])  # each group's last position
     from_end = ends[group] - np.arange(size)  # 0 for a user's latest rating, 1 before it, ...
     count = np.diff(np.r_[-1, ends])  # ratings per user
     test = (from_end < n) & (count[group] > n)

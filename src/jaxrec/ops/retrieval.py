@@ -88,4 +88,4 @@ def _top_k(queries, items, exclude, *, k, chunk, approximate, recall_target):
 
     empty = (jnp.full((num_queries, k), -jnp.inf, jnp.float32), jnp.full((num_queries, k), -1, jnp.int32))
     (scores, ids), _ = jax.lax.scan(step, empty, jnp.arange(num_chunks))
-    return scores, jnp.where(jnp.isneginf(scores), -1, ids)
+    return scores, ids  # a -inf slot's id is -1 already (chunk_top and empty)
