@@ -48,7 +48,9 @@ def test_train_step_follows_the_schedule_with_one_compilation(platform, cls):
         want_w, _ = fused_update(w, s, grad, indices, offsets, layout=LAYOUT,
                                  config=make(cls, learning_rate=rate))
         params, opt_state, tables, _ = step(params, opt_state, tables, indices, offsets)
-        np.testing.assert_allclose(tables.weights, want_w, rtol=1e-5, atol=1e-6, err_msg=f"step {k}")
+        # The step's gradient and the one by hand round differently on a GPU (about 4e-5 of
+        # a row after Adagrad's division); a rate off by one step moves rows by ~1e-2.
+        np.testing.assert_allclose(tables.weights, want_w, rtol=1e-4, atol=1e-5, err_msg=f"step {k}")
     assert len(traces) == 1
     assert int(tables.step) == 5
     assert len(set(rates)) == 4  # 0.5 ... 0.05, then held: the rate did move
