@@ -11,18 +11,28 @@ raising, and the step decides:
 * ``table_gate(name, grad_output)``: a fused backward asks whether to apply its update.
 
 The step (``jaxrec.fused.make_functional_train_step`` and ``jaxrec.nn.make_train_step``,
-unsharded or sharded) applies an update only where it is sound: no FATAL
-report, and, unless ``on_nonfinite="ignore"``, a finite loss, finite dense gradients and
-finite cotangents into every fused table. Otherwise it updates nothing — tables, optimizer
-slots, dense parameters and optax state keep their values — and returns, with its
-outputs, a ``StepStats``. ``StepMonitor`` reads it on the host one step late (the host
-never waits for the step it just issued) and raises there, with the model intact.
+unsharded or sharded) applies an update only where it is sound: no FATAL report, and,
+unless ``on_nonfinite="ignore"``, a finite loss, finite dense gradients, finite cotangents
+into every fused table and finite new dense parameters and optax state. Otherwise it
+updates nothing — tables, optimizer slots, dense parameters and optax state keep their
+values — and returns, with its outputs, a ``StepStats``.
 
-One gap, documented in docs/reliability.md: a fused table's update runs inside the
-backward, before the dense gradients below it exist. Its gate covers the loss (the
-backward is seeded with NaN when the loss is not finite, which reaches every fused
-table) and the table's own cotangent, but not a dense gradient that alone is non-finite
-with a finite loss; such a step skips the dense update and is reported all the same.
+The host never waits for the device: ``StepMonitor`` reads a step's ``StepStats`` once
+the device has finished it (``is_ready``; the copy to the host is started when the step
+is issued), at a later call, or at ``check()``, which waits. Between a step that must
+raise and the call that raises, the host may have issued more steps: a latch the steps
+carry from one to the next (``halted``) makes each of them skip its update too, so the
+error finds the model exactly as it was before the bad step. The monitor re-arms the
+latch when it raises.
+
+Two gaps, documented in docs/reliability.md, both because a fused table's update runs
+inside the backward, in place, before the rest of the step exists. Its gate covers the
+loss (the backward is seeded with NaN when the loss is not finite, which reaches every
+fused table) and the table's own cotangent, but (1) not a dense gradient that alone is
+non-finite with a finite loss (such a step skips the dense update and is reported all the
+same), and (2) not the rows it writes: a finite gradient times a rate so large that the
+row overflows is written. The next step's loss is then not finite and stops training, and
+checkpoints refuse non-finite arrays (``jaxrec train`` stops there as at a non-finite step).
 
 The collectors hold tracers of the step's own trace: a fused lookup or bounds check under
 ``jax.checkpoint``/``lax.scan`` inside the loss would leak them, and JAX says so.
@@ -30,6 +40,7 @@ The collectors hold tracers of the step's own trace: a fused lookup or bounds ch
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -67,6 +78,7 @@ class _Trace:
 
     policy: str
     axis_name: str | None
+    halted: jax.Array
     fatal: list = dataclasses.field(default_factory=list)       # (report, message)
     corrected: list = dataclasses.field(default_factory=list)   # int32 scalars
     gates: dict = dataclasses.field(default_factory=dict)       # tables name -> bool
@@ -82,14 +94,16 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def tracing(policy: str, axis_name: str | None = None):
+def tracing(policy: str, halted: jax.Array, axis_name: str | None = None):
     """Collect the reports of the step traced inside the block (see the module doc).
 
-    ``axis_name``: inside ``shard_map``, the mesh axis over which every device must agree
-    to skip (a table sharded over devices is updated on all of them or none).
+    ``halted``: the latch the step takes (a bool scalar, ``StepMonitor.latch()``): set,
+    the step updates nothing. ``axis_name``: inside ``shard_map``, the mesh axis over
+    which every device must agree to skip (a table sharded over devices is updated on all
+    of them or none).
     """
     stack = _local.__dict__.setdefault("stack", [])
-    trace = _Trace(check_policy(policy), axis_name)
+    trace = _Trace(check_policy(policy), axis_name, jnp.asarray(halted, bool))
     stack.append(trace)
     try:
         yield trace
@@ -140,7 +154,7 @@ def table_gate(name: str, grad_output: jax.Array) -> jax.Array | None:
     trace = active()
     if trace is None or (trace.policy == "ignore" and not trace.fatal):
         return None
-    ok = ~trace.any_fatal()
+    ok = ~(trace.any_fatal() | trace.halted)
     if trace.policy != "ignore":
         ok = ok & jnp.all(jnp.isfinite(grad_output))
     ok = _everywhere(ok, trace.axis_name)
@@ -166,92 +180,118 @@ def seed(trace: _Trace | None, loss: jax.Array) -> jax.Array:
 class StepStats(NamedTuple):
     """One step's findings (device arrays)."""
 
-    applied: jax.Array
-    """bool: the update was applied."""
-    nonfinite: jax.Array
-    """bool: the loss or a gradient was not finite (never set under "ignore")."""
-    corrected: jax.Array
-    """int32: bags and ids corrected by WARNING bounds checks."""
+    summary: jax.Array
+    """int32 ``[applied, nonfinite, corrected, halted]``: the update was applied; the loss,
+    a gradient or a new dense value was not finite (never set under "ignore"); bags and
+    ids corrected by WARNING bounds checks; the latch after this step (it or an earlier
+    step since the last raise must raise, so it updated nothing). One array: one copy to
+    the host per step."""
     fatal: tuple
     """int32 vectors: the FATAL bounds reports, in the order of ``StepMonitor``'s messages."""
 
 
 def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
-    """``(state, stats)``: ``new`` (the updated dense parameters and optax state) where
-    the step is sound, else ``old``; ``stats`` says what was found."""
-    bad_input = trace.any_fatal()
+    """``(state, stats, halted)``: ``new`` (the updated dense parameters and optax state)
+    where the step is sound, else ``old``; ``stats`` says what was found; ``halted`` is the
+    latch the next step takes."""
+    bad_input = ~_everywhere(~trace.any_fatal(), trace.axis_name)
     nonfinite = jnp.zeros((), bool)
     if trace.policy != "ignore":
         finite = jnp.all(jnp.isfinite(loss))
-        for g in jax.tree.leaves(dense_grads):
-            if jnp.issubdtype(g.dtype, jnp.inexact):
-                finite = finite & jnp.all(jnp.isfinite(g))
+        for x in jax.tree.leaves((dense_grads, new)):  # new: a rate can overflow a parameter
+            if jnp.issubdtype(x.dtype, jnp.inexact):
+                finite = finite & jnp.all(jnp.isfinite(x))
         for gate in trace.gates.values():
             finite = finite & gate
         nonfinite = ~_everywhere(finite, trace.axis_name)
-    applied = ~(bad_input | nonfinite)
+    applied = ~(bad_input | nonfinite | trace.halted)
     if trace.policy != "ignore" or trace.fatal:
         new = jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
+    halted = trace.halted | bad_input | (nonfinite & (trace.policy == "raise"))
     corrected = sum(trace.corrected, jnp.zeros((), jnp.int32))
     if trace.axis_name is not None:
         corrected = jax.lax.psum(corrected, trace.axis_name)
-    return new, StepStats(applied, nonfinite, corrected, tuple(r for r, _ in trace.fatal))
+    summary = jnp.stack([applied.astype(jnp.int32), nonfinite.astype(jnp.int32), corrected,
+                         halted.astype(jnp.int32)])
+    return new, StepStats(summary, tuple(r for r, _ in trace.fatal)), halted
+
+
+class _Issued(NamedTuple):
+    step: int
+    stats: StepStats
+    messages: list
 
 
 class StepMonitor:
-    """The host side: keeps the last step's ``StepStats`` and running totals, and raises
-    what a step found one call later (or at ``check()``), when the model is intact."""
+    """The host side of the guard: the latch each step takes, what the finished steps
+    found (read without waiting for the device), running totals, and the raise."""
 
     def __init__(self, policy: str):
         self.policy = check_policy(policy)
         self.steps = 0
-        self._pending = None
-        self._totals: list = []
+        self._latch = None     # the next step's ``halted`` (None: a fresh False)
+        self._unread = collections.deque()  # steps whose verdict is still to be read
+        self._uncounted = collections.deque()  # steps whose counts are still to be added
+        self._nonfinite = self._corrected = 0
 
-    def record(self, stats: StepStats, messages: list) -> None:
-        """After issuing step ``self.steps``: raises what the previous step found."""
-        previous, self._pending = self._pending, (self.steps, stats, messages)
-        self._totals.append((stats.nonfinite, stats.corrected))
-        if len(self._totals) > 64:  # fold the older ones: they are done, nothing waits
-            self._fold(keep=2)
+    def latch(self) -> jax.Array:
+        """The ``halted`` latch for the step about to be issued (after ``poll()``)."""
+        if self._latch is None:
+            self._latch = jnp.zeros((), bool)
+        return self._latch
+
+    def poll(self) -> None:
+        """Before issuing a step: raises what a finished step found. Never waits."""
+        self._read(wait=False)
+
+    def issued(self, stats: StepStats, halted: jax.Array, messages: list) -> None:
+        """After issuing step ``self.steps`` (its stats and the latch it returned)."""
+        stats.summary.copy_to_host_async()  # ready on the host when the step is done
+        entry = _Issued(self.steps, stats, messages)
+        if messages or self.policy == "raise":  # else nothing can make this step raise
+            self._unread.append(entry)
+        self._uncounted.append(entry)
+        self._latch = halted
         self.steps += 1
-        if previous is not None:
-            self._raise(previous)
+        if len(self._uncounted) > 64:  # fold what is done; nothing waits
+            self._count(wait=False)
 
     def check(self) -> None:
-        """Raises what the last step found, if anything (waits for it)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            self._raise(pending)
+        """Waits for every issued step and raises what they found, if anything."""
+        self._read(wait=True)
 
     def stats(self) -> dict:
-        """Host ints: ``steps``, ``nonfinite_steps`` and ``ids_corrected`` so far."""
-        self._fold()
-        nonfinite, corrected = self._totals[0] if self._totals else (0, 0)
-        return {"steps": self.steps, "nonfinite_steps": int(nonfinite),
-                "ids_corrected": int(corrected)}
+        """Host ints: ``steps``, ``nonfinite_steps`` and ``ids_corrected`` so far (waits)."""
+        self._count(wait=True)
+        return {"steps": self.steps, "nonfinite_steps": self._nonfinite,
+                "ids_corrected": self._corrected}
 
-    def _fold(self, keep: int = 0) -> None:
-        cut = len(self._totals) - keep
-        old = jax.device_get(self._totals[:cut])
-        folded = (sum(int(n) for n, _ in old), sum(int(c) for _, c in old))
-        self._totals = [folded] + self._totals[cut:]
+    def _count(self, wait: bool) -> None:
+        while self._uncounted and (wait or self._uncounted[0].stats.summary.is_ready()):
+            _, nonfinite, corrected, _ = np.asarray(self._uncounted.popleft().stats.summary)
+            self._nonfinite += int(nonfinite)
+            self._corrected += int(corrected)
 
-    def _raise(self, pending) -> None:
-        step, stats, messages = pending
-        if not messages and self.policy != "raise":
-            return  # nothing to raise: skip is counted, ignore is ignored
-        if bool(stats.applied):
-            return
-        for report, message in zip(stats.fatal, messages):
+    def _read(self, wait: bool) -> None:
+        while self._unread and (wait or self._unread[0].stats.summary.is_ready()):
+            entry = self._unread.popleft()
+            if np.asarray(entry.stats.summary)[3]:  # the first halted step: it is the cause
+                self._unread.clear()
+                self._latch = None  # re-armed: the next step trains again
+                self._raise(entry)
+
+    def _raise(self, entry: _Issued) -> None:
+        step, last = entry.step, self.steps - 1
+        later = (f" Steps {step + 1}-{last}, issued before this was seen, were skipped too."
+                 if last > step else "")
+        for report, message in zip(entry.stats.fatal, entry.messages):
             text = _fatal_text(message, report)
             if text is not None:
-                raise ValueError(f"train step {step}: {text} The step's update was skipped: "
-                                 "the model and optimizer hold their state from before it.")
-        if bool(stats.nonfinite) and self.policy == "raise":
-            raise NonFiniteError(
-                f"train step {step}: the loss or a gradient is not finite (NaN or Inf); its "
-                "update was skipped, so the model and optimizer hold finite state (a later "
-                "step issued before this check ran only if it was finite). Lower the "
-                "learning rates, check the inputs (NaN features or per-sample weights), or "
-                "pass on_nonfinite='skip' to skip such steps and count them.", step)
+                raise ValueError(f"train step {step}: {text} The step's update was skipped: the "
+                                 f"model and optimizer hold their state from before it.{later}")
+        raise NonFiniteError(
+            f"train step {step}: the loss, a gradient or an updated dense value is not finite "
+            f"(NaN or Inf); its update was skipped, so the model and optimizer hold their finite "
+            f"state from before it.{later} Lower the learning rates, check the inputs (NaN "
+            "features or per-sample weights), or pass on_nonfinite='skip' to skip such steps "
+            "and count them.", step)

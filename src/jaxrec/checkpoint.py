@@ -73,7 +73,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 __all__ = ["CheckpointCorruptError", "CheckpointLock", "CheckpointLockedError",
-           "RestoredMetadata", "all_steps", "latest_step", "read_metadata",
+           "NonFiniteStateError", "RestoredMetadata", "all_steps", "latest_step", "read_metadata",
            "restore_checkpoint", "save_checkpoint"]
 
 _FORMAT = "jaxrec.checkpoint/2"
@@ -84,6 +84,10 @@ _LOCK_FILE = ".lock"
 
 class CheckpointCorruptError(ValueError):
     """A checkpoint's files do not hold what was saved (changed, truncated or missing)."""
+
+
+class NonFiniteStateError(ValueError):
+    """``save_checkpoint`` refused a state that holds NaN or Inf (``allow_nonfinite=False``)."""
 
 
 class CheckpointLockedError(RuntimeError):
@@ -365,7 +369,7 @@ def _flatten(state, *, allow_nonfinite: bool) -> tuple[dict, dict]:
     if not arrays:
         raise ValueError("state has no array leaves; there is nothing to checkpoint")
     if nonfinite:
-        raise ValueError(
+        raise NonFiniteStateError(
             f"state leaves hold NaN or Inf: {', '.join(nonfinite[:10])}"
             + (f" and {len(nonfinite) - 10} more" if len(nonfinite) > 10 else "")
             + "; not saved, so that a diverged state never replaces a good checkpoint. Save a "

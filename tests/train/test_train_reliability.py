@@ -19,7 +19,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxrec.checkpoint import CheckpointLock, all_steps, restore_checkpoint, save_checkpoint
+from jaxrec.checkpoint import (
+    CheckpointLock,
+    NonFiniteStateError,
+    all_steps,
+    restore_checkpoint,
+    save_checkpoint,
+)
 from jaxrec.train import TrainConfig, TrainingStopped, _loop, main, train
 from jaxrec.train._tasks import build_task
 
@@ -76,7 +82,7 @@ def test_a_nonfinite_step_stops_the_run_and_no_bad_checkpoint_replaces_good_ones
     err = capsys.readouterr().err
     assert "applied --table-lr 0.1 -> 1e+25" in err
     line = one_clear_line(err)
-    bad = int(re.search(r"step (\d+): non-finite loss or gradient \(NaN or Inf\); stopped",
+    bad = int(re.search(r"step (\d+): non-finite loss, gradient or model value \(NaN or Inf\); stopped",
                         line)[1])
     kept = int(re.search(r"The last finite checkpoint is step (\d+)", line)[1])
     assert 5 <= bad <= 12 and kept == bad - 1 and "--on-nonfinite skip" in line
@@ -92,6 +98,26 @@ def test_a_nonfinite_step_stops_the_run_and_no_bad_checkpoint_replaces_good_ones
     assert record["step_stats"]["nonfinite_steps"] == 1
     assert record["resumed"]["applied"] == ["--table-lr 0.1 -> 1e+25"]
     assert (tmp_path / "out" / "curves.png").is_file()
+
+
+def test_a_state_the_checkpoint_refuses_stops_the_run_as_a_nonfinite_step(
+        ratings, tmp_path, capsys, monkeypatch):
+    """A fused table's overflow passes the step's guard (jaxrec/_step_guard.py); the save
+    that refuses it stops the run as a non-finite step would."""
+    saves = []
+
+    def save(directory, step, *args, **kwargs):
+        saves.append(step)
+        if step == 3:
+            raise NonFiniteStateError("state leaves hold NaN or Inf: ['model']['t'] (1 of 8 values)")
+        return save_checkpoint(directory, step, *args, **kwargs)
+
+    monkeypatch.setattr(_loop, "save_checkpoint", save)
+    assert run(ratings, tmp_path, "--steps", "4", "--checkpoint-every", "1") == 1
+    line = one_clear_line(capsys.readouterr().err)
+    assert "step 3: non-finite loss, gradient or model value (NaN or Inf); stopped" in line
+    assert "The last finite checkpoint is step 2" in line
+    assert saves == [1, 2, 3] and metrics(tmp_path)["status"] == "nonfinite"
 
 
 def test_skip_skips_and_counts_the_nonfinite_steps(ratings, tmp_path, capsys):

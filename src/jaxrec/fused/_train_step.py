@@ -107,22 +107,25 @@ def fused_value_and_grad(loss_fn, *, has_aux: bool = False):
 class FunctionalTrainStep:
     """``step(params, opt_state, tables, *batch) -> (params, opt_state, tables, value)``.
 
-    Built by ``make_functional_train_step``. Beside the call: ``check()`` raises what the last step
-    found (steps are checked one call late, so the host never waits for the device), and
-    ``stats()`` returns ``{"steps", "nonfinite_steps", "ids_corrected"}`` as host ints.
+    Built by ``make_functional_train_step``. Beside the call: ``check()`` waits for the
+    issued steps and raises what they found (a call raises it too once the device has
+    finished the bad step: the host never waits for the device), and ``stats()`` returns
+    ``{"steps", "nonfinite_steps", "ids_corrected"}`` as host ints.
     """
 
     def __init__(self, jitted, messages: list, monitor: _step_guard.StepMonitor):
         self._jitted, self._messages, self._monitor = jitted, messages, monitor
 
     def __call__(self, params, opt_state, tables, *batch):
-        params, opt_state, tables, value, stats = self._jitted(params, opt_state, tables, *batch)
-        self._monitor.record(stats, self._messages)
+        self._monitor.poll()
+        params, opt_state, tables, value, stats, halted = self._jitted(
+            params, opt_state, tables, self._monitor.latch(), *batch)
+        self._monitor.issued(stats, halted, self._messages)
         return params, opt_state, tables, value
 
-    def lower(self, *args):
+    def lower(self, params, opt_state, tables, *batch):
         """The jitted step's ``lower`` (to inspect its HLO)."""
-        return self._jitted.lower(*args)
+        return self._jitted.lower(params, opt_state, tables, self._monitor.latch(), *batch)
 
     def _cache_size(self) -> int:
         """Compilations so far (the jitted step's)."""
@@ -138,15 +141,16 @@ class FunctionalTrainStep:
 def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, has_aux: bool,
                    on_nonfinite: str, messages: list, axis_name: str | None = None,
                    reduce_grads=None):
-    """The pure step ``(params, opt_state, tables, *batch) -> (params, opt_state, tables,
-    value, StepStats)`` that ``make_functional_train_step`` jits (``jaxrec.nn.make_train_step``
-    builds its step on it too). ``messages`` receives the FATAL messages of
+    """The pure step ``(params, opt_state, tables, halted, *batch) -> (params, opt_state,
+    tables, value, StepStats, halted)`` that ``make_functional_train_step`` jits
+    (``jaxrec.nn.make_train_step`` builds its step on it too); ``halted`` is the latch of
+    ``_step_guard.StepMonitor``. ``messages`` receives the FATAL messages of
     the last trace, in the order of ``StepStats.fatal``. ``reduce_grads(grads)``: e.g. a
     ``psum`` over devices, applied before optax."""
     value_and_grad = fused_value_and_grad(loss_fn, has_aux=has_aux)
 
-    def step(params, opt_state, tables, *batch):
-        with _step_guard.tracing(on_nonfinite, axis_name) as guard:
+    def step(params, opt_state, tables, halted, *batch):
+        with _step_guard.tracing(on_nonfinite, halted, axis_name) as guard:
             value, grads, tables = value_and_grad(params, tables, *batch)
             if reduce_grads is not None:
                 grads = reduce_grads(grads)
@@ -154,10 +158,10 @@ def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, ha
                 updates, new_opt_state = dense_optimizer.update(grads, opt_state, params)
             new = (optax.apply_updates(params, updates), new_opt_state)
             loss = value[0] if has_aux else value
-            (params, opt_state), stats = _step_guard.finish(guard, loss, grads, new,
-                                                            (params, opt_state))
+            (params, opt_state), stats, halted = _step_guard.finish(guard, loss, grads, new,
+                                                                    (params, opt_state))
             messages[:] = [message for _, message in guard.fatal]
-        return params, opt_state, tables, value, stats
+        return params, opt_state, tables, value, stats, halted
 
     return step
 
@@ -172,10 +176,11 @@ def make_functional_train_step(loss_fn, dense_optimizer: optax.GradientTransform
     (the default, and what you want) the step updates everything in place.
 
     ``on_nonfinite``: a step whose loss or gradients are not finite updates nothing under
-    ``"raise"`` (the default; the next call, or ``step.check()``, raises
-    ``NonFiniteError``) and ``"skip"`` (counted in ``step.stats()``); ``"ignore"`` applies
-    it (no checks, as before). A FATAL bounds check inside the loss never updates anything
-    either and raises its ``ValueError`` the same way: the donated model stays usable.
+    ``"raise"`` (the default; a later call, or ``step.check()``, raises
+    ``NonFiniteError``, and the steps issued in between update nothing either) and
+    ``"skip"`` (counted in ``step.stats()``); ``"ignore"`` applies it (no checks, as
+    before). A FATAL bounds check inside the loss never updates anything either and
+    raises its ``ValueError`` the same way: the donated model stays usable.
     """
     messages: list = []
     step = guarded_update(loss_fn, dense_optimizer, has_aux=has_aux, on_nonfinite=on_nonfinite,

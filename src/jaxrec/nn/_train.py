@@ -56,9 +56,10 @@ from jaxrec.nn._split_cache import SplitCache, split_for_training, write_back
 class TrainStep:
     """``train_step(model, optimizer, *batch) -> loss``, built by ``make_train_step``.
 
-    ``check()`` raises what the last step found (each step is checked one call later, so
-    the host never waits for the device: a ``jaxrec.NonFiniteError`` or a FATAL
-    bounds-check ``ValueError``, the step's update skipped). ``stats()``: host ints
+    ``check()`` waits for the issued steps and raises what they found (a
+    ``jaxrec.NonFiniteError`` or a FATAL bounds-check ``ValueError``, the step's update
+    skipped); a call raises it too once the device has finished the bad step, so the host
+    never waits for the device. ``stats()``: host ints
     ``steps``, ``nonfinite_steps`` and ``ids_corrected`` (WARNING bounds checks) so far.
     """
 
@@ -90,6 +91,8 @@ class TrainStep:
         # per state, the raw value of each Variable: params, optimizer, tables, rest
         lists = [[v.get_raw_value() for v in variables] for variables in split.variables]
         lists.insert(1, [v.get_raw_value() for v in opt_vars])
+        self._monitor.poll()
+        lists.append(self._monitor.latch())
         structure = specs = None
         if mesh is not None:  # every array on the mesh, and its spec (a spec per leaf)
             leaves, structure = jax.tree.flatten(lists)
@@ -102,15 +105,15 @@ class TrainStep:
             compiled = steps[key] = self._compile(split, opt_split, optimizer, mesh, axis,
                                                   structure, specs, len(batch))
         step, messages = compiled
-        params, opt_state, tables, rest, loss, aux, stats = step(*lists, *batch)
+        params, opt_state, tables, rest, loss, aux, stats, halted = step(*lists, *batch)
         write_back(split, (params, tables, rest))
         write_back(opt_split, (opt_state,))
-        self._monitor.record(stats, messages)
+        self._monitor.issued(stats, halted, messages)
         return (loss, aux) if self._has_aux else loss
 
     def _compile(self, split, opt_split, optimizer, mesh, axis, structure, specs, batch_count):
         """The jitted step over flat lists: per state (params, optimizer, tables, rest) the
-        raw value of each Variable, in the split's order; sharded: ``shard_map`` with
+        raw value of each Variable, in the split's order, then the guard's latch; sharded: ``shard_map`` with
         ``specs``, a spec per array leaf of those lists (``structure``)."""
         loss_fn, has_aux, graphdef = self._loss_fn, self._has_aux, split.graphdef
         tx, wrt = optimizer.tx, optimizer.wrt
@@ -142,7 +145,7 @@ class TrainStep:
         update = guarded_update(pure_loss, tx, has_aux=True, on_nonfinite=self._policy,
                                 messages=messages, axis_name=axis, reduce_grads=reduce_grads)
 
-        def body(params, opt_vars, tables, rest, *batch):
+        def body(params, opt_vars, tables, rest, halted, *batch):
             lists = [jax.tree.structure(x) for x in (params, opt_vars, tables, rest)]
             if mesh is not None:  # this device's slice, without the device axis
                 batch = jax.tree.map(lambda x: x[0], batch)
@@ -152,8 +155,8 @@ class TrainStep:
             optimizer = nnx.merge(opt_split.graphdef,
                                   jax.tree.unflatten(opt_treedef, jax.tree.leaves(opt_vars)))
             opt_state = nnx.as_pure(optimizer.opt_state)
-            params, opt_state, tables, (_, (loss, aux, rest)), stats = update(
-                params, opt_state, tables, rest, *batch)
+            params, opt_state, tables, (_, (loss, aux, rest)), stats, halted = update(
+                params, opt_state, tables, halted, rest, *batch)
             nnx.update(optimizer.opt_state, nnx.state(opt_state))
             optimizer.step[...] += 1
             out = [jax.tree.unflatten(td, jax.tree.leaves(x))
@@ -161,12 +164,12 @@ class TrainStep:
             if mesh is not None:
                 loss = jax.lax.pmean(loss, axis)
                 aux = jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
-            return (*out, loss, aux, stats)
+            return (*out, loss, aux, stats, halted)
 
         if mesh is not None:
             state_specs = tuple(jax.tree.unflatten(structure, specs))
             in_specs = (*state_specs, *(P(axis),) * batch_count)
-            out_specs = (*state_specs, P(), P(axis), P())
+            out_specs = (*state_specs[:4], P(), P(axis), P(), P())
             body = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                  check_vma=False)
         return jax.jit(body, donate_argnums=(0, 1, 2) if self._donate else ()), messages
@@ -190,7 +193,8 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True,
 
     ``on_nonfinite``: ``"raise"`` (default) and ``"skip"`` leave everything as it was when
     a step's loss or gradients are not finite; ``"raise"`` then raises
-    ``jaxrec.NonFiniteError`` at the next call or ``train_step.check()``, ``"skip"`` counts
+    ``jaxrec.NonFiniteError`` at a later call or ``train_step.check()`` (the steps issued
+    in between update nothing either), ``"skip"`` counts
     it (``train_step.stats()``). ``"ignore"`` applies every step unchecked. A FATAL bounds
     check never updates anything and raises the same way; every device of a sharded step
     skips together.

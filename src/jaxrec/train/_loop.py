@@ -40,6 +40,7 @@ import jaxrec
 from jaxrec import NonFiniteError
 from jaxrec.checkpoint import (
     CheckpointLock,
+    NonFiniteStateError,
     all_steps,
     latest_step,
     read_metadata,
@@ -176,16 +177,23 @@ class _Run:
         self.train_step.check()  # never save after a non-finite step (or a FATAL bounds check)
         # One batch per step, so the data position is the step; both are saved, so that a
         # future loader with other batch accounting can still find its place.
-        save_checkpoint(self.config.checkpoint_dir, self.step, _state(self.model, self.optimizer),
-                        keep=_KEEP, metadata={"step": self.step, "data_position": self.step,
-                                              "history": self.history,
-                                              "config": dataclasses.asdict(self.config)})
+        try:
+            save_checkpoint(self.config.checkpoint_dir, self.step,
+                            _state(self.model, self.optimizer), keep=_KEEP,
+                            metadata={"step": self.step, "data_position": self.step,
+                                      "history": self.history,
+                                      "config": dataclasses.asdict(self.config)})
+        except NonFiniteStateError as e:
+            # A finite step can still write non-finite rows: a fused table's update that
+            # overflows is not gated (jaxrec/_step_guard.py). The last step did it.
+            raise NonFiniteError(str(e), self.step - self.start - 1) from e
 
     # --- how it ends -----------------------------------------------------------------
 
     def _nonfinite_message(self, error: NonFiniteError) -> str:
         config = self.config
-        return (f"step {self.start + error.step + 1}: non-finite loss or gradient (NaN or Inf); "
+        return (f"step {self.start + error.step + 1}: non-finite loss, gradient or model value "
+                f"(NaN or Inf); "
                 f"stopped. {self._last_checkpoint('finite checkpoint')} Lower --table-lr/"
                 f"--dense-lr (now {config.table_learning_rate:g}/{config.dense_learning_rate:g}), "
                 "or pass --on-nonfinite skip to skip such steps")
