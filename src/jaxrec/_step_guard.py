@@ -17,9 +17,9 @@ into every fused table and finite new dense parameters and optax state. Otherwis
 updates nothing — tables, optimizer slots, dense parameters and optax state keep their
 values — and returns, with its outputs, a ``StepStats``.
 
-The host never waits for the device: ``StepMonitor`` reads a step's ``StepStats`` once
-the device has finished it (``is_ready``; the copy to the host is started when the step
-is issued), at a later call, or at ``check()``, which waits. Between a step that must
+The host never waits for the device: ``StepMonitor`` reads the ``StepStats`` of the steps
+the device has finished (``is_ready``), every 16 calls in one transfer, or at
+``check()``, which waits. Between a step that must
 raise and the call that raises, the host may have issued more steps: a latch the steps
 carry from one to the next (``halted``) makes each of them skip its update too, so the
 error finds the model exactly as it was before the bad step. The monitor re-arms the
@@ -222,16 +222,21 @@ class _Issued(NamedTuple):
     messages: list
 
 
+# Steps issued between two reads of their findings. Reading costs a round trip to the
+# device, so it is batched; the latch keeps a late read exact.
+_READ_EVERY = 16
+
+
 class StepMonitor:
     """The host side of the guard: the latch each step takes, what the finished steps
-    found (read without waiting for the device), running totals, and the raise."""
+    found (read without waiting for the device, every ``_READ_EVERY`` steps), running
+    totals, and the raise."""
 
     def __init__(self, policy: str):
         self.policy = check_policy(policy)
         self.steps = 0
-        self._latch = None     # the next step's ``halted`` (None: a fresh False)
-        self._unread = collections.deque()  # steps whose verdict is still to be read
-        self._uncounted = collections.deque()  # steps whose counts are still to be added
+        self._latch = None  # the next step's ``halted`` (None: a fresh False)
+        self._issued = collections.deque()  # steps whose findings are still to be read
         self._nonfinite = self._corrected = 0
 
     def latch(self) -> jax.Array:
@@ -242,41 +247,39 @@ class StepMonitor:
 
     def poll(self) -> None:
         """Before issuing a step: raises what a finished step found. Never waits."""
-        self._read(wait=False)
+        if len(self._issued) >= _READ_EVERY:
+            self._read(wait=False)
 
     def issued(self, stats: StepStats, halted: jax.Array, messages: list) -> None:
         """After issuing step ``self.steps`` (its stats and the latch it returned)."""
-        stats.summary.copy_to_host_async()  # ready on the host when the step is done
-        entry = _Issued(self.steps, stats, messages)
-        if messages or self.policy == "raise":  # else nothing can make this step raise
-            self._unread.append(entry)
-        self._uncounted.append(entry)
+        self._issued.append(_Issued(self.steps, stats, messages))
         self._latch = halted
         self.steps += 1
-        if len(self._uncounted) > 64:  # fold what is done; nothing waits
-            self._count(wait=False)
 
     def check(self) -> None:
         """Waits for every issued step and raises what they found, if anything."""
         self._read(wait=True)
 
     def stats(self) -> dict:
-        """Host ints: ``steps``, ``nonfinite_steps`` and ``ids_corrected`` so far (waits)."""
-        self._count(wait=True)
+        """Host ints: ``steps``, ``nonfinite_steps`` and ``ids_corrected`` so far (waits,
+        and raises what the steps found, as ``check()``)."""
+        self._read(wait=True)
         return {"steps": self.steps, "nonfinite_steps": self._nonfinite,
                 "ids_corrected": self._corrected}
 
-    def _count(self, wait: bool) -> None:
-        while self._uncounted and (wait or self._uncounted[0].stats.summary.is_ready()):
-            _, nonfinite, corrected, _ = np.asarray(self._uncounted.popleft().stats.summary)
+    def _read(self, wait: bool) -> None:
+        """Reads the finished steps' findings in one transfer (all issued ones with
+        ``wait``), adds up their counts and raises at the first that must raise."""
+        done = 0
+        while done < len(self._issued) and (wait or self._issued[done].stats.summary.is_ready()):
+            done += 1
+        entries = [self._issued.popleft() for _ in range(done)]
+        summaries = jax.device_get([e.stats.summary for e in entries])
+        for entry, (_, nonfinite, corrected, halted) in zip(entries, summaries):
             self._nonfinite += int(nonfinite)
             self._corrected += int(corrected)
-
-    def _read(self, wait: bool) -> None:
-        while self._unread and (wait or self._unread[0].stats.summary.is_ready()):
-            entry = self._unread.popleft()
-            if np.asarray(entry.stats.summary)[3]:  # the first halted step: it is the cause
-                self._unread.clear()
+            if halted:  # the first halted step: its input was clear, so it is the cause
+                self._issued.clear()  # the steps after it were skipped by the latch
                 self._latch = None  # re-armed: the next step trains again
                 self._raise(entry)
 

@@ -134,16 +134,22 @@ def test_steps_issued_after_a_bad_one_update_nothing_until_it_is_raised():
     assert not all(np.array_equal(a, b) for a, b in zip(before, snapshot(model, optimizer)))
 
 
-def test_a_call_raises_once_the_bad_step_is_done_before_issuing_its_own():
+def test_a_later_call_raises_without_waiting_and_before_issuing_its_own():
+    """Findings are read every 16 calls, of the steps the device has finished."""
     rng = np.random.default_rng(2)
     model = model_of(RowWiseAdagrad(learning_rate=0.1), mode="FATAL")
     optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
     step = make_train_step(bce)
+    before = snapshot(model, optimizer)
     step(model, optimizer, *batch_of(rng, bad_id=-7))
-    jax.block_until_ready(nnx.state(model))  # the device is done; nothing was read yet
-    with pytest.raises(ValueError, match=r"train step 0: .*from before it\.$"):
-        step(model, optimizer, *batch_of(rng))
-    assert step.stats()["steps"] == 1  # the raising call issued nothing
+    good = batch_of(rng)
+    with pytest.raises(ValueError, match=r"train step 0: .*Steps 1-15, issued before this was "
+                                         r"seen, were skipped too\.$"):
+        for _ in range(16):
+            jax.block_until_ready(nnx.state(model))  # the device is done before each call
+            step(model, optimizer, *good)
+    assert step.stats()["steps"] == 16  # the raising call issued nothing
+    assert_unchanged(before, model, optimizer)
 
 
 @pytest.mark.parametrize("platform", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

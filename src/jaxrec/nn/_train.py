@@ -58,9 +58,9 @@ class TrainStep:
 
     ``check()`` waits for the issued steps and raises what they found (a
     ``jaxrec.NonFiniteError`` or a FATAL bounds-check ``ValueError``, the step's update
-    skipped); a call raises it too once the device has finished the bad step, so the host
-    never waits for the device. ``stats()``: host ints
-    ``steps``, ``nonfinite_steps`` and ``ids_corrected`` (WARNING bounds checks) so far.
+    skipped); a call raises it too once the device has finished the bad step (read every
+    16 calls), so the host never waits for the device. ``stats()``: host ints ``steps``,
+    ``nonfinite_steps`` and ``ids_corrected`` (WARNING bounds checks) so far.
     """
 
     def __init__(self, loss_fn, *, has_aux: bool, donate: bool, on_nonfinite: str):
