@@ -19,11 +19,10 @@ values — and returns, with its outputs, a ``StepStats``.
 
 The host never waits for the device: ``StepMonitor`` reads the ``StepStats`` of the steps
 the device has finished (``is_ready``), every 16 calls in one transfer, or at
-``check()``, which waits. Between a step that must
-raise and the call that raises, the host may have issued more steps: a latch the steps
-carry from one to the next (``halted``) makes each of them skip its update too, so the
-error finds the model exactly as it was before the bad step. The monitor re-arms the
-latch when it raises.
+``check()``, which waits. Between a step that must raise and the call that raises, the
+host may have issued more steps: a latch the steps carry from one to the next
+(``halted``) makes each of them skip its update too, so the error finds the model exactly
+as it was before the bad step. The monitor re-arms the latch when it raises.
 
 Two gaps, documented in docs/reliability.md, both because a fused table's update runs
 inside the backward, in place, before the rest of the step exists. Its gate covers the
@@ -184,8 +183,8 @@ class StepStats(NamedTuple):
     """int32 ``[applied, nonfinite, corrected, halted]``: the update was applied; the loss,
     a gradient or a new dense value was not finite (never set under "ignore"); bags and
     ids corrected by WARNING bounds checks; the latch after this step (it or an earlier
-    step since the last raise must raise, so it updated nothing). One array: one copy to
-    the host per step."""
+    step since the last raise must raise, so it updated nothing). One array per step, so
+    that the monitor reads many steps in one transfer."""
     fatal: tuple
     """int32 vectors: the FATAL bounds reports, in the order of ``StepMonitor``'s messages."""
 
