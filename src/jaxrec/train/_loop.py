@@ -109,7 +109,7 @@ class _Run:
     def run(self) -> dict:
         try:
             self._loop()
-            self.train_step.check()  # what the last step found
+            self.train_step.check()  # what the issued steps found
             if not self.history["eval"] or self.history["eval"][-1]["step"] != self.step:
                 self._evaluate()
             if self.config.checkpoint_dir and latest_step(self.config.checkpoint_dir) != self.step:
