@@ -15,14 +15,15 @@ unsharded or sharded) applies an update only where it is sound: no FATAL report,
 unless ``on_nonfinite="ignore"``, a finite loss, finite dense gradients, finite cotangents
 into every fused table and finite new dense parameters and optax state. Otherwise it
 updates nothing — tables, optimizer slots, dense parameters and optax state keep their
-values — and returns, with its outputs, a ``StepStats``.
+values.
 
-The host never waits for the device: ``StepMonitor`` reads the ``StepStats`` of the steps
-the device has finished (``is_ready``), every 16 calls in one transfer, or at
-``check()``, which waits. Between a step that must raise and the call that raises, the
-host may have issued more steps: a latch the steps carry from one to the next
-(``halted``) makes each of them skip its update too, so the error finds the model exactly
-as it was before the bad step. The monitor re-arms the latch when it raises.
+The host never waits for the device. Each step takes a small latch from the step before
+and returns it updated (``finish``): once a step must raise, the latch makes every later
+step update nothing, so that the error finds the model exactly as it was before the bad
+step however many steps the host issued in between; the latch also counts non-finite
+steps and corrected ids. ``StepMonitor`` reads the latch of the newest step the device
+has finished (``is_ready``), every 16 calls, in one small transfer, or at ``check()``,
+which waits; it raises for the step that halted, and re-arms the latch.
 
 Two gaps, documented in docs/reliability.md, both because a fused table's update runs
 inside the backward, in place, before the rest of the step exists. Its gate covers the
@@ -77,10 +78,15 @@ class _Trace:
 
     policy: str
     axis_name: str | None
-    halted: jax.Array
+    latch: jax.Array  # the latch the step took (``StepMonitor.latch``)
     fatal: list = dataclasses.field(default_factory=list)       # (report, message)
     corrected: list = dataclasses.field(default_factory=list)   # int32 scalars
     gates: dict = dataclasses.field(default_factory=dict)       # tables name -> bool
+
+    @property
+    def halted(self) -> jax.Array:
+        """An earlier step must raise: this one updates nothing."""
+        return self.latch[_HALTED] != 0
 
     def any_fatal(self) -> jax.Array:
         bad = jnp.zeros((), bool)
@@ -93,16 +99,16 @@ _local = threading.local()
 
 
 @contextlib.contextmanager
-def tracing(policy: str, halted: jax.Array, axis_name: str | None = None):
+def tracing(policy: str, latch: jax.Array, axis_name: str | None = None):
     """Collect the reports of the step traced inside the block (see the module doc).
 
-    ``halted``: the latch the step takes (a bool scalar, ``StepMonitor.latch()``): set,
-    the step updates nothing. ``axis_name``: inside ``shard_map``, the mesh axis over
+    ``latch``: what the step takes from the one before (``StepMonitor.latch()``); once
+    halted, the step updates nothing. ``axis_name``: inside ``shard_map``, the mesh axis over
     which every device must agree to skip (a table sharded over devices is updated on all
     of them or none).
     """
     stack = _local.__dict__.setdefault("stack", [])
-    trace = _Trace(check_policy(policy), axis_name, jnp.asarray(halted, bool))
+    trace = _Trace(check_policy(policy), axis_name, jnp.asarray(latch, jnp.int32))
     stack.append(trace)
     try:
         yield trace
@@ -176,48 +182,67 @@ def seed(trace: _Trace | None, loss: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(loss), one, jnp.full_like(loss, jnp.nan))
 
 
-class StepStats(NamedTuple):
-    """One step's findings (device arrays)."""
+def _all_finite(leaves) -> jax.Array:
+    """Whether every float leaf is finite: the masks of leaves of one shape (a parameter, its
+    gradient, its optimizer slots) are and-ed first, so that the check is one reduction per
+    shape, not per leaf; each reduction is a kernel the host launches every step."""
+    masks = {}
+    for x in leaves:
+        if jnp.issubdtype(x.dtype, jnp.inexact):
+            mask = jnp.isfinite(x)
+            masks[x.shape] = mask & masks[x.shape] if x.shape in masks else mask
+    finite = jnp.ones((), bool)
+    for mask in masks.values():
+        finite = finite & jnp.all(mask)
+    return finite
 
-    summary: jax.Array
-    """int32 ``[applied, nonfinite, corrected, halted]``: the update was applied; the loss,
-    a gradient or a new dense value was not finite (never set under "ignore"); bags and
-    ids corrected by WARNING bounds checks; the latch after this step (it or an earlier
-    step since the last raise must raise, so it updated nothing). One array per step, so
-    that the monitor reads many steps in one transfer."""
-    fatal: tuple
-    """int32 vectors: the FATAL bounds reports, in the order of ``StepMonitor``'s messages."""
+
+# The latch, an int32 vector that each step takes from the one before and returns
+# updated: the step's index, whether a step since the last raise must raise (then every
+# later one updates nothing), which step that was, and running counts of non-finite steps
+# and of bags and ids corrected by WARNING bounds checks (modulo 2**32: the host adds the
+# differences between two reads). The host reads the newest finished latch only, in one
+# small transfer, and knows all steps up to it.
+_STEP, _HALTED, _HALTED_AT, _NONFINITE, _CORRECTED = range(5)
 
 
 def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
-    """``(state, stats, halted)``: ``new`` (the updated dense parameters and optax state)
-    where the step is sound, else ``old``; ``stats`` says what was found; ``halted`` is the
-    latch the next step takes."""
-    bad_input = ~_everywhere(~trace.any_fatal(), trace.axis_name)
-    nonfinite = jnp.zeros((), bool)
+    """``(state, fatal, latch)``: ``new`` (the updated dense parameters and optax state)
+    where the step is sound, else ``old``; ``fatal``, the step's FATAL bounds reports
+    (int32 vectors, in the order of its messages); ``latch``, the one the next step takes."""
+    finite = jnp.ones((), bool)
     if trace.policy != "ignore":
-        finite = jnp.all(jnp.isfinite(loss))
-        for x in jax.tree.leaves((dense_grads, new)):  # new: a rate can overflow a parameter
-            if jnp.issubdtype(x.dtype, jnp.inexact):
-                finite = finite & jnp.all(jnp.isfinite(x))
+        # new: a rate can overflow a parameter or an optimizer slot
+        finite = jnp.all(jnp.isfinite(loss)) & _all_finite(jax.tree.leaves((dense_grads, new)))
         for gate in trace.gates.values():
             finite = finite & gate
-        nonfinite = ~_everywhere(finite, trace.axis_name)
-    applied = ~(bad_input | nonfinite | trace.halted)
+    # One collective for what every device must agree on (each launch costs host time).
+    counts = jnp.stack([trace.any_fatal().astype(jnp.int32), (~finite).astype(jnp.int32),
+                        sum(trace.corrected, jnp.zeros((), jnp.int32))])
+    if trace.axis_name is not None:
+        counts = jax.lax.psum(counts, trace.axis_name)
+    bad_input, nonfinite, corrected = counts[0] > 0, counts[1] > 0, counts[2]
+    was_halted = trace.halted
+    applied = ~(bad_input | nonfinite | was_halted)
     if trace.policy != "ignore" or trace.fatal:
         new = jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
-    halted = trace.halted | bad_input | (nonfinite & (trace.policy == "raise"))
-    corrected = sum(trace.corrected, jnp.zeros((), jnp.int32))
-    if trace.axis_name is not None:
-        corrected = jax.lax.psum(corrected, trace.axis_name)
-    summary = jnp.stack([applied.astype(jnp.int32), nonfinite.astype(jnp.int32), corrected,
-                         halted.astype(jnp.int32)])
-    return new, StepStats(summary, tuple(r for r, _ in trace.fatal)), halted
+    halts = ~was_halted & (bad_input | (nonfinite & (trace.policy == "raise")))
+    latch = trace.latch
+    counted = jnp.where(was_halted, 0, 1)  # steps after the cause are not counted
+    latch = jnp.stack([
+        latch[_STEP] + 1,
+        (was_halted | halts).astype(jnp.int32),
+        jnp.where(halts, latch[_STEP], latch[_HALTED_AT]),
+        latch[_NONFINITE] + counted * nonfinite.astype(jnp.int32),
+        latch[_CORRECTED] + counted * corrected,
+    ])
+    return new, tuple(r for r, _ in trace.fatal), latch
 
 
 class _Issued(NamedTuple):
     step: int
-    stats: StepStats
+    latch: jax.Array  # the latch this step returned
+    fatal: tuple
     messages: list
 
 
@@ -227,21 +252,22 @@ _READ_EVERY = 16
 
 
 class StepMonitor:
-    """The host side of the guard: the latch each step takes, what the finished steps
-    found (read without waiting for the device, every ``_READ_EVERY`` steps), running
+    """The host side of the guard: the latch each step takes, the newest finished step's
+    latch (read without waiting for the device, every ``_READ_EVERY`` steps), running
     totals, and the raise."""
 
     def __init__(self, policy: str):
         self.policy = check_policy(policy)
         self.steps = 0
-        self._latch = None  # the next step's ``halted`` (None: a fresh False)
-        self._issued = collections.deque()  # steps whose findings are still to be read
-        self._nonfinite = self._corrected = 0
+        self._latch = None  # the next step's latch (None: a fresh one)
+        self._issued = collections.deque()  # steps not yet known to be sound
+        self._nonfinite = self._corrected = 0  # totals
+        self._counters = (0, 0)  # the device's counters at the last read (modulo 2**32)
 
     def latch(self) -> jax.Array:
-        """The ``halted`` latch for the step about to be issued (after ``poll()``)."""
+        """The latch for the step about to be issued (after ``poll()``)."""
         if self._latch is None:
-            self._latch = jnp.zeros((), bool)
+            self._latch = jnp.asarray([self.steps, 0, 0, *self._counters], jnp.int32)
         return self._latch
 
     def poll(self) -> None:
@@ -249,10 +275,10 @@ class StepMonitor:
         if len(self._issued) >= _READ_EVERY:
             self._read(wait=False)
 
-    def issued(self, stats: StepStats, halted: jax.Array, messages: list) -> None:
-        """After issuing step ``self.steps`` (its stats and the latch it returned)."""
-        self._issued.append(_Issued(self.steps, stats, messages))
-        self._latch = halted
+    def issued(self, fatal: tuple, latch: jax.Array, messages: list) -> None:
+        """After issuing step ``self.steps`` (its FATAL reports and the latch it returned)."""
+        self._issued.append(_Issued(self.steps, latch, fatal, messages))
+        self._latch = latch
         self.steps += 1
 
     def check(self) -> None:
@@ -267,26 +293,40 @@ class StepMonitor:
                 "ids_corrected": self._corrected}
 
     def _read(self, wait: bool) -> None:
-        """Reads the finished steps' findings in one transfer (all issued ones with
-        ``wait``), adds up their counts and raises at the first that must raise."""
-        done = 0
-        while done < len(self._issued) and (wait or self._issued[done].stats.summary.is_ready()):
-            done += 1
-        entries = [self._issued.popleft() for _ in range(done)]
-        summaries = jax.device_get([e.stats.summary for e in entries])
-        for entry, (_, nonfinite, corrected, halted) in zip(entries, summaries):
-            self._nonfinite += int(nonfinite)
-            self._corrected += int(corrected)
-            if halted:  # the first halted step: its input was clear, so it is the cause
-                self._issued.clear()  # the steps after it were skipped by the latch
-                self._latch = None  # re-armed: the next step trains again
-                self._raise(entry)
+        """Reads the latch of the newest finished step (of the newest issued one with
+        ``wait``): one transfer that knows every step up to it. Raises for the step that
+        halted, if one did."""
+        issued = self._issued
+        newest = len(issued) - 1
+        if not wait:  # steps finish in order: the finished ones are a prefix
+            lo, newest = 0, -1
+            hi = len(issued) - 1
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if issued[mid].latch.is_ready():
+                    newest, lo = mid, mid + 1
+                else:
+                    hi = mid - 1
+        if newest < 0:
+            return
+        _, halted, halted_at, nonfinite, corrected = (int(x) for x in
+                                                      np.asarray(issued[newest].latch))
+        self._nonfinite += (nonfinite - self._counters[0]) % 2**32
+        self._corrected += (corrected - self._counters[1]) % 2**32
+        self._counters = (nonfinite, corrected)
+        if halted:
+            cause = issued[halted_at - issued[0].step]
+            issued.clear()  # the steps after the cause were skipped by the latch
+            self._latch = None  # re-armed: the next step trains again
+            self._raise(cause)
+        for _ in range(newest + 1):
+            issued.popleft()
 
     def _raise(self, entry: _Issued) -> None:
         step, last = entry.step, self.steps - 1
         later = (f" Steps {step + 1}-{last}, issued before this was seen, were skipped too."
                  if last > step else "")
-        for report, message in zip(entry.stats.fatal, entry.messages):
+        for report, message in zip(entry.fatal, entry.messages):
             text = _fatal_text(message, report)
             if text is not None:
                 raise ValueError(f"train step {step}: {text} The step's update was skipped: the "

@@ -313,3 +313,17 @@ def test_functional_step_fatal_and_nan():
 def test_bad_policy_is_named():
     with pytest.raises(ValueError, match="on_nonfinite must be one of"):
         make_train_step(bce, on_nonfinite="stop")
+
+
+def test_monitor_counts_through_the_latch_wraparound():
+    # The latch counts modulo 2**32 (int32 on the device); the host adds the differences
+    # between two reads, so a long run's totals stay exact.
+    from jaxrec import _step_guard
+    monitor = _step_guard.StepMonitor("skip")
+    latch = lambda step, nonfinite, corrected: jnp.asarray([step, 0, 0, nonfinite, corrected],
+                                                           jnp.int32)
+    monitor.issued((), latch(1, 1, 2**31 - 5), [])
+    assert monitor.stats() == {"steps": 1, "nonfinite_steps": 1, "ids_corrected": 2**31 - 5}
+    monitor.issued((), latch(2, 1, -2**31 + 4), [])  # 9 more ids: the counter wrapped
+    monitor.issued((), latch(3, 2, -2**31 + 4), [])
+    assert monitor.stats() == {"steps": 3, "nonfinite_steps": 2, "ids_corrected": 2**31 + 4}

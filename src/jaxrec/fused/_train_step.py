@@ -118,9 +118,9 @@ class FunctionalTrainStep:
 
     def __call__(self, params, opt_state, tables, *batch):
         self._monitor.poll()
-        params, opt_state, tables, value, stats, halted = self._jitted(
+        params, opt_state, tables, value, fatal, latch = self._jitted(
             params, opt_state, tables, self._monitor.latch(), *batch)
-        self._monitor.issued(stats, halted, self._messages)
+        self._monitor.issued(fatal, latch, self._messages)
         return params, opt_state, tables, value
 
     def lower(self, params, opt_state, tables, *batch):
@@ -141,16 +141,16 @@ class FunctionalTrainStep:
 def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, has_aux: bool,
                    on_nonfinite: str, messages: list, axis_name: str | None = None,
                    reduce_grads=None):
-    """The pure step ``(params, opt_state, tables, halted, *batch) -> (params, opt_state,
-    tables, value, StepStats, halted)`` that ``make_functional_train_step`` jits
-    (``jaxrec.nn.make_train_step`` builds its step on it too); ``halted`` is the latch of
+    """The pure step ``(params, opt_state, tables, latch, *batch) -> (params, opt_state,
+    tables, value, fatal, latch)`` that ``make_functional_train_step`` jits
+    (``jaxrec.nn.make_train_step`` builds its step on it too); ``latch`` is the one of
     ``_step_guard.StepMonitor``. ``messages`` receives the FATAL messages of
-    the last trace, in the order of ``StepStats.fatal``. ``reduce_grads(grads)``: e.g. a
+    the last trace, in the order of the ``fatal`` reports. ``reduce_grads(grads)``: e.g. a
     ``psum`` over devices, applied before optax."""
     value_and_grad = fused_value_and_grad(loss_fn, has_aux=has_aux)
 
-    def step(params, opt_state, tables, halted, *batch):
-        with _step_guard.tracing(on_nonfinite, halted, axis_name) as guard:
+    def step(params, opt_state, tables, latch, *batch):
+        with _step_guard.tracing(on_nonfinite, latch, axis_name) as guard:
             value, grads, tables = value_and_grad(params, tables, *batch)
             if reduce_grads is not None:
                 grads = reduce_grads(grads)
@@ -158,10 +158,10 @@ def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, ha
                 updates, new_opt_state = dense_optimizer.update(grads, opt_state, params)
             new = (optax.apply_updates(params, updates), new_opt_state)
             loss = value[0] if has_aux else value
-            (params, opt_state), stats, halted = _step_guard.finish(guard, loss, grads, new,
-                                                                    (params, opt_state))
+            (params, opt_state), fatal, latch = _step_guard.finish(guard, loss, grads, new,
+                                                                   (params, opt_state))
             messages[:] = [message for _, message in guard.fatal]
-        return params, opt_state, tables, value, stats, halted
+        return params, opt_state, tables, value, fatal, latch
 
     return step
 

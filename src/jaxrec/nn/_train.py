@@ -105,10 +105,10 @@ class TrainStep:
             compiled = steps[key] = self._compile(split, opt_split, optimizer, mesh, axis,
                                                   structure, specs, len(batch))
         step, messages = compiled
-        params, opt_state, tables, rest, loss, aux, stats, halted = step(*lists, *batch)
+        params, opt_state, tables, rest, loss, aux, fatal, latch = step(*lists, *batch)
         write_back(split, (params, tables, rest))
         write_back(opt_split, (opt_state,))
-        self._monitor.issued(stats, halted, messages)
+        self._monitor.issued(fatal, latch, messages)
         return (loss, aux) if self._has_aux else loss
 
     def _compile(self, split, opt_split, optimizer, mesh, axis, structure, specs, batch_count):
@@ -145,7 +145,7 @@ class TrainStep:
         update = guarded_update(pure_loss, tx, has_aux=True, on_nonfinite=self._policy,
                                 messages=messages, axis_name=axis, reduce_grads=reduce_grads)
 
-        def body(params, opt_vars, tables, rest, halted, *batch):
+        def body(params, opt_vars, tables, rest, latch, *batch):
             lists = [jax.tree.structure(x) for x in (params, opt_vars, tables, rest)]
             if mesh is not None:  # this device's slice, without the device axis
                 batch = jax.tree.map(lambda x: x[0], batch)
@@ -155,8 +155,8 @@ class TrainStep:
             optimizer = nnx.merge(opt_split.graphdef,
                                   jax.tree.unflatten(opt_treedef, jax.tree.leaves(opt_vars)))
             opt_state = nnx.as_pure(optimizer.opt_state)
-            params, opt_state, tables, (_, (loss, aux, rest)), stats, halted = update(
-                params, opt_state, tables, halted, rest, *batch)
+            params, opt_state, tables, (_, (loss, aux, rest)), fatal, latch = update(
+                params, opt_state, tables, latch, rest, *batch)
             nnx.update(optimizer.opt_state, nnx.state(opt_state))
             optimizer.step[...] += 1
             out = [jax.tree.unflatten(td, jax.tree.leaves(x))
@@ -164,7 +164,7 @@ class TrainStep:
             if mesh is not None:
                 loss = jax.lax.pmean(loss, axis)
                 aux = jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
-            return (*out, loss, aux, stats, halted)
+            return (*out, loss, aux, fatal, latch)
 
         if mesh is not None:
             state_specs = tuple(jax.tree.unflatten(structure, specs))
