@@ -28,6 +28,7 @@ new value instead. The cache holds the model weakly and forgets it when it is co
 from __future__ import annotations
 
 import functools
+import operator
 import weakref
 from typing import NamedTuple
 
@@ -111,15 +112,16 @@ def raw_values(state) -> list:
 
 
 def _snapshot(model) -> list:
-    """What ``_unchanged`` compares, per graph node: ``("node", weakref, attributes)``,
-    ``("container", list/dict/set, items)`` or ``("variable", Variable, metadata)``."""
+    """What ``_unchanged`` compares, per graph node: ``("node", weakref, items)``,
+    ``("container", list/dict/set, items)`` (items: ``_items`` of its attributes or
+    itself) or ``("variable", Variable, metadata)``."""
     out = []
     for _, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Variable):
             out.append(("variable", node, node.get_metadata()))
         elif isinstance(node, nnx.Pytree):
-            attributes = dict(vars(node))
-            out.append(("node", weakref.ref(node), attributes))
+            attributes = vars(node)
+            out.append(("node", weakref.ref(node), _items(attributes)))
             out.extend(("container", value, _items(value)) for value in attributes.values()
                        if isinstance(value, (list, dict, set)))
     return out
@@ -142,12 +144,11 @@ def _unchanged(snapshot: list) -> bool:
             owner = owner()
             if owner is None:
                 return False
-            now = vars(owner)
-            if len(now) != len(kept) or not all(_same(now.get(k, now), v) for k, v in kept.items()):
-                return False
-            continue
+            owner = vars(owner)
         now = _items(owner)
-        if len(now) != len(kept) or not all(_same(a, b) for a, b in zip(now, kept)):
+        # identity first (a C loop: the usual case, nothing reassigned), then _same
+        if len(now) != len(kept) or not (all(map(operator.is_, now, kept))
+                                         or all(map(_same, now, kept))):
             return False
     return True
 
