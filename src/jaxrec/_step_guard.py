@@ -21,9 +21,10 @@ The host never waits for the device. Each step takes a small latch from the step
 and returns it updated (``finish``): once a step must raise, the latch makes every later
 step update nothing, so that the error finds the model exactly as it was before the bad
 step however many steps the host issued in between; the latch also counts non-finite
-steps and corrected ids. ``StepMonitor`` reads the latch of the newest step the device
-has finished (``is_ready``), every 16 calls, in one small transfer, or at ``check()``,
-which waits; it raises for the step that halted, and re-arms the latch.
+steps and corrected ids. ``StepMonitor`` starts copying every 16th step's latch to the
+host and reads it once the device has finished that step (``is_ready``), before issuing
+another, or at ``check()``, which waits for the newest step; it raises for the step that
+halted, and re-arms the latch.
 
 Two gaps, documented in docs/reliability.md, both because a fused table's update runs
 inside the backward, in place, before the rest of the step exists. Its gate covers the
@@ -183,18 +184,11 @@ def seed(trace: _Trace | None, loss: jax.Array) -> jax.Array:
 
 
 def _all_finite(leaves) -> jax.Array:
-    """Whether every float leaf is finite: the masks of leaves of one shape (a parameter, its
-    gradient, its optimizer slots) are and-ed first, so that the check is one reduction per
-    shape, not per leaf; each reduction is a kernel the host launches every step."""
-    masks = {}
-    for x in leaves:
-        if jnp.issubdtype(x.dtype, jnp.inexact):
-            mask = jnp.isfinite(x)
-            masks[x.shape] = mask & masks[x.shape] if x.shape in masks else mask
-    finite = jnp.ones((), bool)
-    for mask in masks.values():
-        finite = finite & jnp.all(mask)
-    return finite
+    """Whether every float leaf is finite, as one reduction over all of them: the host
+    launches each kernel of the step, every step, and a reduction per leaf (or per
+    shape) cost the sharded DLRM's host tens of microseconds per step."""
+    masks = [jnp.isfinite(x).ravel() for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
+    return jnp.all(jnp.concatenate(masks)) if masks else jnp.ones((), bool)
 
 
 # The latch, an int32 vector that each step takes from the one before and returns
@@ -246,14 +240,15 @@ class _Issued(NamedTuple):
     messages: list
 
 
-# Steps issued between two reads of their findings. Reading costs a round trip to the
-# device, so it is batched; the latch keeps a late read exact.
+# Every this many steps, the host starts copying a step's latch (``copy_to_host_async``,
+# ~25 us of host time) and reads it once that step has finished: the read then finds the
+# bytes on the host and costs no round trip. The latch keeps a late read exact.
 _READ_EVERY = 16
 
 
 class StepMonitor:
-    """The host side of the guard: the latch each step takes, the newest finished step's
-    latch (read without waiting for the device, every ``_READ_EVERY`` steps), running
+    """The host side of the guard: the latch each step takes, the latch of every
+    ``_READ_EVERY``-th step read once the device has finished it (never waiting), running
     totals, and the raise."""
 
     def __init__(self, policy: str):
@@ -261,6 +256,7 @@ class StepMonitor:
         self.steps = 0
         self._latch = None  # the next step's latch (None: a fresh one)
         self._issued = collections.deque()  # steps not yet known to be sound
+        self._copying = collections.deque()  # of those, the ones whose latch is on its way
         self._nonfinite = self._corrected = 0  # totals
         self._counters = (0, 0)  # the device's counters at the last read (modulo 2**32)
 
@@ -272,54 +268,50 @@ class StepMonitor:
 
     def poll(self) -> None:
         """Before issuing a step: raises what a finished step found. Never waits."""
-        if len(self._issued) >= _READ_EVERY:
-            self._read(wait=False)
+        newest = None
+        while self._copying and self._copying[0].latch.is_ready():
+            newest = self._copying.popleft()
+        if newest is not None:
+            self._read(newest)
 
     def issued(self, fatal: tuple, latch: jax.Array, messages: list) -> None:
         """After issuing step ``self.steps`` (its FATAL reports and the latch it returned)."""
-        self._issued.append(_Issued(self.steps, latch, fatal, messages))
+        entry = _Issued(self.steps, latch, fatal, messages)
+        self._issued.append(entry)
+        if self.steps % _READ_EVERY == _READ_EVERY - 1:
+            latch.copy_to_host_async()
+            self._copying.append(entry)
         self._latch = latch
         self.steps += 1
 
     def check(self) -> None:
         """Waits for every issued step and raises what they found, if anything."""
-        self._read(wait=True)
+        if self._issued:
+            self._copying.clear()
+            self._read(self._issued[-1])
 
     def stats(self) -> dict:
         """Host ints: ``steps``, ``nonfinite_steps`` and ``ids_corrected`` so far (waits,
         and raises what the steps found, as ``check()``)."""
-        self._read(wait=True)
+        self.check()
         return {"steps": self.steps, "nonfinite_steps": self._nonfinite,
                 "ids_corrected": self._corrected}
 
-    def _read(self, wait: bool) -> None:
-        """Reads the latch of the newest finished step (of the newest issued one with
-        ``wait``): one transfer that knows every step up to it. Raises for the step that
-        halted, if one did."""
-        issued = self._issued
-        newest = len(issued) - 1
-        if not wait:  # steps finish in order: the finished ones are a prefix
-            lo, newest = 0, -1
-            hi = len(issued) - 1
-            while lo <= hi:
-                mid = (lo + hi) // 2
-                if issued[mid].latch.is_ready():
-                    newest, lo = mid, mid + 1
-                else:
-                    hi = mid - 1
-        if newest < 0:
-            return
-        _, halted, halted_at, nonfinite, corrected = (int(x) for x in
-                                                      np.asarray(issued[newest].latch))
+    def _read(self, entry: _Issued) -> None:
+        """Reads ``entry``'s latch, which knows every step up to it: adds up the counts and
+        raises for the step that halted, if one did."""
+        _, halted, halted_at, nonfinite, corrected = (int(x) for x in np.asarray(entry.latch))
         self._nonfinite += (nonfinite - self._counters[0]) % 2**32
         self._corrected += (corrected - self._counters[1]) % 2**32
         self._counters = (nonfinite, corrected)
+        issued = self._issued
         if halted:
             cause = issued[halted_at - issued[0].step]
             issued.clear()  # the steps after the cause were skipped by the latch
+            self._copying.clear()
             self._latch = None  # re-armed: the next step trains again
             self._raise(cause)
-        for _ in range(newest + 1):
+        while issued and issued[0].step <= entry.step:
             issued.popleft()
 
     def _raise(self, entry: _Issued) -> None:
