@@ -99,3 +99,25 @@ def test_sharded_training_equals_unsharded_training(case):
     np.testing.assert_allclose(model.weight_scale[...], reference.weight_scale[...], rtol=RTOL)
     assert (float(model.weight_scale[...]) != 1.0) == batch_args["weighted"]
     assert int(opt.step[...]) == STEPS
+
+
+def test_a_value_set_between_steps_is_placed_on_the_mesh():
+    # The step skips placing values it returned itself (by identity); one set since, on
+    # one device, is placed again, and the step trains with it.
+    reference = build(Adam(learning_rate=0.05))
+    model = par.shard(build(Adam(learning_rate=0.05)), plan("mixed"), mesh())
+    ref_opt = nnx.Optimizer(reference, optax.adam(1e-2), wrt=nnx.Param)
+    opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    ref_step = make_train_step(lambda m, b: squared_error(m, b, N * B))
+    step = make_train_step(lambda m, b: squared_error(m, b, B))
+    for i in range(3):
+        if i == 2:
+            kernel = np.asarray(model.head.kernel[...]) * 0.5
+            model.head.kernel.set_value(jax.device_put(kernel, jax.devices()[0]))
+            reference.head.kernel.set_value(jax.numpy.asarray(kernel))
+        batch = random_batch(i, weighted=False)
+        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh())),
+                                   ref_step(reference, ref_opt, batch), rtol=RTOL)
+    assert model.head.kernel.get_value().sharding.device_set == set(mesh().devices.flat)
+    np.testing.assert_allclose(model.head.kernel[...], reference.head.kernel[...],
+                               rtol=RTOL, atol=ATOL)

@@ -39,6 +39,10 @@ walk (at 4 GPUs the graph walk had made the host the bottleneck of the sharded D
 
 from __future__ import annotations
 
+import itertools
+import operator
+import weakref
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -95,10 +99,7 @@ class TrainStep:
         lists.append(self._monitor.latch())
         structure = specs = None
         if mesh is not None:  # every array on the mesh, and its spec (a spec per leaf)
-            leaves, structure = jax.tree.flatten(lists)
-            leaves = [_on_mesh(x, mesh) for x in leaves]
-            specs = tuple(x.sharding.spec for x in leaves)
-            lists = jax.tree.unflatten(structure, leaves)
+            lists, structure, specs = _placed(split, lists, mesh)
         key = (opt_split.derived["token"], structure, specs, len(batch))
         compiled = steps.get(key)
         if compiled is None:
@@ -109,6 +110,8 @@ class TrainStep:
         write_back(split, (params, tables, rest))
         write_back(opt_split, (opt_state,))
         self._monitor.issued(fatal, latch, messages)
+        if mesh is not None:
+            _remember_placed(split, (params, opt_state, tables, rest, latch), structure, specs)
         return (loss, aux) if self._has_aux else loss
 
     def _compile(self, split, opt_split, optimizer, mesh, axis, structure, specs, batch_count):
@@ -237,6 +240,35 @@ def _placement(model: nnx.Module, wrt) -> tuple[jax.sharding.Mesh | None, str | 
                          "too (jaxrec.parallel.shard, DATA_PARALLEL keeps them whole) or make them "
                          "plain (optimizer=None)")
     return placed.pop()
+
+
+def _placed(split, lists, mesh):
+    """``(lists, structure, specs)``: ``lists`` with every array on ``mesh``, its tree
+    structure and a spec per leaf. The values the last step returned are on the mesh
+    with the specs it took: when every value is one of them (by identity; they are held
+    weakly, so that values replaced since are freed), nothing is walked."""
+    last = split.derived.get("placed")
+    if last is not None:
+        refs, structure, specs = last
+        values = [*itertools.chain(*lists[:-1]), lists[-1]]
+        if len(values) == len(refs) and all(map(operator.is_, (r() for r in refs), values)):
+            return lists, structure, specs
+    leaves, structure = jax.tree.flatten(lists)
+    leaves = [_on_mesh(x, mesh) for x in leaves]
+    specs = tuple(x.sharding.spec for x in leaves)
+    return jax.tree.unflatten(structure, leaves), structure, specs
+
+
+def _remember_placed(split, outputs, structure, specs) -> None:
+    """Keeps (weakly) the step's new values, for ``_placed``: per state, its list of raw
+    values, then the latch. Values are arrays or frozen pytrees (the fused tables), so
+    one seen again holds the same leaves; a raw value that cannot be referenced weakly
+    (a list, a dict) turns this off: every step walks."""
+    values = [*itertools.chain(*outputs[:-1]), outputs[-1]]
+    try:
+        split.derived["placed"] = ([weakref.ref(x) for x in values], structure, specs)
+    except TypeError:
+        split.derived.pop("placed", None)
 
 
 def _on_mesh(x, mesh):
