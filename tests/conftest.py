@@ -1,6 +1,7 @@
 """Test set-up shared by every test module.
 
-* Eight virtual CPU devices (sharding tests need a mesh) and strict dtype promotion.
+* Eight virtual CPU devices (sharding tests need a mesh), XLA's backend optimizations
+  off (compile time), and strict dtype promotion.
 * ``@pytest.mark.gpu`` tests run only where JAX sees a CUDA GPU and jaxrec's CUDA
   library was built; elsewhere they are skipped, with the reason.
 * One persistent compilation cache for the session, shared by the pytest-xdist workers:
@@ -10,7 +11,10 @@
 
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# O0: the tests compile hundreds of small programs; XLA's backend optimizations cost more
+# than they save at these sizes (about a minute of the suite on 2 cores).
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                   "--xla_backend_optimization_level=0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

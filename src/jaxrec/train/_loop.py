@@ -3,9 +3,10 @@
 How a run ends (``status`` in metrics.json):
 
 - ``completed``: every step ran; the final state is evaluated and checkpointed.
-- ``nonfinite``: a step's loss or gradient was NaN/Inf under ``on_nonfinite="stop"``. Its
-  update was skipped, nothing is saved after it, so the newest checkpoint holds the last
-  finite state; ``TrainingStopped`` says which step and which checkpoint.
+- ``nonfinite``: a step's loss or gradient was NaN/Inf under ``on_nonfinite="stop"``, or
+  the held-out predictions were (under either policy). The step's update was skipped,
+  nothing is saved after it, so the newest checkpoint holds the last finite state;
+  ``TrainingStopped`` says which step and which checkpoint.
 - ``error``: an error while training (a bad record further on in a file, a FATAL bounds
   check, a state that cannot be saved); ``TrainingStopped`` chains it.
 - ``interrupted``: Ctrl-C; the ``KeyboardInterrupt`` goes on after metrics.json is written.
@@ -170,7 +171,12 @@ class _Run:
                 self.status[name] = f"{stats[key]:,}"
 
     def _evaluate(self) -> None:
-        self.history["eval"].append({"step": self.step, **self.task.evaluate(self.predict)})
+        self.train_step.check()  # a step's own finding first: it is the cause
+        try:
+            result = self.task.evaluate(self.predict)
+        except FloatingPointError as e:  # non-finite predictions: stopped as a non-finite step
+            raise NonFiniteError(f"evaluation: {e}", self.step - self.start - 1) from e
+        self.history["eval"].append({"step": self.step, **result})
         self.status.update(_last_eval(self.history))
 
     def _save(self) -> None:

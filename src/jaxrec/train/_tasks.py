@@ -39,6 +39,10 @@ class Task:
             labels.append(np.asarray(batch.labels))
             masks.append(np.asarray(batch.mask))
         y, s, w = (np.concatenate(x) for x in (labels, scores, masks))
+        bad = ~np.isfinite(s) & (w > 0)
+        if bad.any():  # a finite model whose values overflow in the forward pass
+            raise FloatingPointError(f"{int(bad.sum())} of the held-out predictions are not "
+                                     "finite (NaN or Inf)")
         if self.info["task"] == "ctr":
             return {"auc": metrics.auc(y, s, w), "log_loss": metrics.log_loss(y, s, w)}
         return {"rmse": metrics.rmse(y, s, w), "mae": metrics.mae(y, s, w)}
