@@ -154,6 +154,33 @@ def test_a_run_in_epochs_evaluates_at_every_epoch_end(tmp_path):
     assert [e["step"] for e in record["history"]["eval"]] == [per_epoch, 2 * per_epoch, 3 * per_epoch]
 
 
+def test_mf_is_biased_and_its_weight_decay_pulls_the_rows_each_rating_uses(tmp_path):
+    rng = np.random.default_rng(5)
+    lines = "".join(f"{rng.integers(1, 9)}\t{rng.integers(1, 7)}\t{rng.integers(1, 6)}\t{k}\n"
+                    for k in range(60))
+    (tmp_path / "u.data").write_text(lines)
+    losses = {}
+    for decay in (0.0, 0.3):
+        task = build_task(TrainConfig(data=f"movielens:{tmp_path / 'u.data'}", batch_size=16,
+                                      steps=1, weight_decay=decay, embedding_dim=4,
+                                      backend="reference"))
+        batch = next(task.train_batches(0))
+        losses[decay] = float(task.loss_fn(task.model, batch))
+    assert task.model.biased  # factors | bias: each table has embedding_dim + 1 columns
+    tables = {k: np.asarray(v, np.float64) for k, v in
+              task.model.sparse_arch.split_embedding_weights().items()}
+    assert all(t.shape[1] == 5 for t in tables.values())
+    mask = np.asarray(batch.mask, np.float64)
+    norms = 0.0
+    for k in batch.sparse.keys():  # one id per bag (none in padding rows)
+        bags = batch.sparse[k]
+        ids = np.asarray(bags.values())[np.asarray(bags.offsets())[:-1]]
+        rows = tables[f"t_{k}"][ids] * (np.asarray(bags.lengths()) == 1)[:, None]
+        norms = norms + (rows ** 2).sum(1)
+    want = losses[0.0] + 0.3 * (norms * mask).sum() / mask.sum()
+    np.testing.assert_allclose(losses[0.3], want, rtol=1e-5)
+
+
 def test_rating_predictions_stay_on_the_star_scale(tmp_path):
     rng = np.random.default_rng(4)
     lines = "".join(f"{rng.integers(1, 9)}\t{rng.integers(1, 7)}\t{rng.integers(1, 6)}\t{k}\n"

@@ -182,8 +182,10 @@ def test_resume_refuses_settings_that_change_the_model_or_the_data(ratings, tmp_
         assert change in line, line
     assert "--dense-lr" not in line  # a rate can change
     assert all_steps(tmp_path / "ck") == [2]
-    assert run(ratings, tmp_path, "--steps", "4", "--resume", "--dense-lr", "0.01") == 0
-    assert "applied --dense-lr 0.003 -> 0.01" in capsys.readouterr().err
+    assert run(ratings, tmp_path, "--steps", "4", "--resume", "--dense-lr", "0.01",
+               "--weight-decay", "0.2") == 0
+    err = capsys.readouterr().err
+    assert "applied --dense-lr 0.003 -> 0.01" in err and "--weight-decay 0.1 -> 0.2" in err
     assert metrics(tmp_path)["config"]["dense_learning_rate"] == 0.01
 
 

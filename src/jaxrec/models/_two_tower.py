@@ -71,7 +71,11 @@ class TwoTower(nnx.Module):
         self.bias = nnx.Param(jnp.asarray(bias, jnp.float32))
 
     def __call__(self, sparse_features: KeyedJaggedTensor) -> jax.Array:
-        query, candidate = self.embed(sparse_features)
+        return self.score(*self.embed(sparse_features))
+
+    def score(self, query: jax.Array, candidate: jax.Array) -> jax.Array:
+        """The predicted rating ``[B]`` from ``embed``'s outputs (for a loss that also
+        regularises them: a fused table may be looked up once per step)."""
         if self.biased:  # factors | bias on each side
             return (jnp.sum(query[:, :-1] * candidate[:, :-1], axis=1) + query[:, -1]
                     + candidate[:, -1] + self.bias[...])

@@ -21,6 +21,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--table-lr", type=float, default=d.table_learning_rate, dest="table_learning_rate")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default=d.dense_optimizer)
     p.add_argument("--dense-lr", type=float, default=d.dense_learning_rate, dest="dense_learning_rate")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="ratings: L2 on the embeddings each rating uses, per rating "
+                        "(default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--steps", type=int, default=None, help=f"default {d.steps} unless --epochs")
     p.add_argument("--epochs", type=int, help="passes over a file (criteo, movielens)")

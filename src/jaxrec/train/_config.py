@@ -28,7 +28,8 @@ TABLE_OPTIMIZERS = {
 # next (eval_batches too: Criteo's first eval_batches batches are held out, not trained).
 RESUME_MUST_MATCH = ("data", "model", "seed", "table_optimizer", "dense_optimizer", "batch_size",
                      "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows", "eval_batches")
-RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate")  # set on the restored state
+# Applied to the restored state (the rates), or read by the loss each step (weight_decay).
+RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate", "weight_decay")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +46,9 @@ class TrainConfig:
     table_learning_rate: float = 0.1
     dense_optimizer: str = "adam"
     dense_learning_rate: float = 3e-3
+    weight_decay: float = 0.1
+    """ratings: L2 on the embeddings each rating uses (mf: its user's and item's rows,
+    factors and bias), added to its squared error; the same on resume or a new value."""
     batch_size: int = 1024
     steps: int | None = 2500
     """Training steps; None: ``epochs`` passes over a file (synthetic data needs steps)."""

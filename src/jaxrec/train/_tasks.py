@@ -69,10 +69,11 @@ def build_task(config: TrainConfig) -> Task:
     return _ctr_task(config)
 
 
-def _collection(config: TrainConfig, keys, sizes) -> EmbeddingBagCollection:
+def _collection(config: TrainConfig, keys, sizes, extra_columns: int = 0) -> EmbeddingBagCollection:
     optimizer = TABLE_OPTIMIZERS[config.table_optimizer]
     tt = _tt_config(config)
-    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=config.embedding_dim,
+    dim = config.embedding_dim + extra_columns
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=dim,
                                  feature_names=[k], tt=tt if tt and n >= config.tt_min_rows else None)
               for k, n in zip(keys, sizes)]
     return EmbeddingBagCollection(
@@ -224,16 +225,23 @@ def _ratings_task(config: TrainConfig) -> Task:
     reader = data.MovieLensReader(train, shuffle_seed=config.seed, last_batch="drop", **common)
     held_out = list(data.MovieLensReader(test, **common))
     keys, sizes = data.MOVIELENS_KEYS, (reader.num_users, reader.num_items)
-    ebc = _collection(config, keys, sizes)
-    layers = () if config.model == "mf" else (64, 32)
+    biased = config.model == "mf"  # biased MF: a bias column beside the factors
+    ebc = _collection(config, keys, sizes, extra_columns=int(biased))
+    layers = () if biased else (64, 32)
     model = TwoTower(ebc, [keys[0]], [keys[1]], layers, bias=float(train.ratings.mean()),
-                     rngs=nnx.Rngs(config.seed + 1))
+                     biased=biased, rngs=nnx.Rngs(config.seed + 1))
 
     def train_batches(position):
         return itertools.islice(_passes(config, reader.one_pass, str(path)), position, None)
 
     def loss_fn(model, batch):
-        return _masked_mean((model(batch.sparse) - batch.labels) ** 2, batch)
+        # L2 on the embeddings each rating uses (mf: its user's and item's rows), once per
+        # rating: a row is pulled towards 0 as often as it is trained, as in SGD matrix
+        # factorisation, so that rare users and items are not left to overfit.
+        query, candidate = model.embed(batch.sparse)
+        error = (model.score(query, candidate) - batch.labels) ** 2
+        norms = jnp.sum(query ** 2, axis=1) + jnp.sum(candidate ** 2, axis=1)
+        return _masked_mean(error + config.weight_decay * norms, batch)
 
     def predict(model, batch):  # a rating is on the star scale: clipping only helps RMSE
         return jnp.clip(model(batch.sparse), *data.MOVIELENS_RATING_RANGE)
