@@ -1,7 +1,7 @@
 """Test set-up shared by every test module.
 
 * Eight virtual CPU devices (sharding tests need a mesh), XLA's backend optimizations
-  off (compile time), and strict dtype promotion.
+  off on machines without a GPU (compile time), and strict dtype promotion.
 * ``@pytest.mark.gpu`` tests run only where JAX sees a CUDA GPU and jaxrec's CUDA
   library was built; elsewhere they are skipped, with the reason.
 * One persistent compilation cache for the session, shared by the pytest-xdist workers:
@@ -9,12 +9,16 @@
   runs too, makes its own jitted step), and a repeat compile becomes a load.
 """
 
+import glob
 import os
 
-# O0: the tests compile hundreds of small programs; XLA's backend optimizations cost more
-# than they save at these sizes (about a minute of the suite on 2 cores).
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=0")
+# Without a GPU, O0: the tests compile hundreds of small CPU programs, and XLA's backend
+# optimizations cost more than they save at these sizes (a minute and a half of the suite
+# on 2 cores). With one, the GPU tests compile as users' programs do.
+_FLAGS = "--xla_force_host_platform_device_count=8"
+if not glob.glob("/dev/nvidia[0-9]*"):
+    _FLAGS += " --xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS", _FLAGS)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
