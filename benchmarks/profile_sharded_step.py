@@ -8,7 +8,9 @@ D=128, fused rowwise Adagrad, one Zipf id per bag, hot ids scattered) for each c
 ``--steps`` steps with ``jax.profiler`` and sums the first GPU's kernel time per HLO op
 (the trace's "XLA Ops" line), with the op's JAX name stack where the trace has one, and
 the host's time to issue a step (``host_ms``; near ``step_ms``, the step is bound by the
-host) with its most costly Python functions (``host_top``, from ``cProfile``).
+host), of it the time inside the compiled step's call (``dispatch_ms``: launching its
+kernels; the rest is Python), and its most costly Python functions (``host_top``, from
+``cProfile``).
 Comparing the one-GPU case with the n-GPU case of one setting shows what sharding adds.
 This is a diagnostic, not a benchmark: tracing slows the step; use the untraced time.
 """
@@ -67,6 +69,39 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     step = make_train_step(bce)
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
+
+
+class DispatchTimer:
+    """While active, the functions ``jax.jit`` returns add the seconds spent inside their
+    calls to ``seconds``, and keep doing so after: the compiled step's dispatch, apart
+    from the Python around it (the train step jits on its first call)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+        self._jit = jax.jit
+
+    def __enter__(self):
+        timer = self
+
+        class Timed:
+            def __init__(self, jitted):
+                self._jitted = jitted
+
+            def __call__(self, *args, **kwargs):
+                start = time.perf_counter()
+                try:
+                    return self._jitted(*args, **kwargs)
+                finally:
+                    timer.seconds += time.perf_counter() - start
+
+            def __getattr__(self, name):
+                return getattr(self._jitted, name)
+
+        jax.jit = lambda *args, **kwargs: Timed(self._jit(*args, **kwargs))
+        return self
+
+    def __exit__(self, *exc):
+        jax.jit = self._jit
 
 
 def host_profile(call, batches, top: int, steps: int = 50) -> list[dict]:
@@ -141,14 +176,17 @@ def main(argv=None) -> int:
     result["cases"] = []
     for spec in args.cases.split(","):
         kind, n, comm_dtype, bound, rows = spec.split(":")
-        call, batches, capacity = build(kind, int(n), comm_dtype, int(bound), rows == "rows",
-                                        log, tables, initial, args.batch_size)
-        for i in range(5):
-            jax.block_until_ready(call(batches[i % 4]))
+        with DispatchTimer() as dispatch:
+            call, batches, capacity = build(kind, int(n), comm_dtype, int(bound), rows == "rows",
+                                            log, tables, initial, args.batch_size)
+            for i in range(5):
+                jax.block_until_ready(call(batches[i % 4]))
+        dispatch.seconds = 0.0
         start = time.perf_counter()
         for i in range(20):
             out = call(batches[i % 4])
         host_ms = (time.perf_counter() - start) / 20 * 1e3
+        dispatch_ms = dispatch.seconds / 20 * 1e3
         jax.block_until_ready(out)
         step_ms = (time.perf_counter() - start) / 20 * 1e3
         host_top = host_profile(call, batches, args.top)
@@ -159,10 +197,12 @@ def main(argv=None) -> int:
             jax.block_until_ready(out)
             jax.profiler.stop_trace()
             profile = op_times(trace_dir, args.steps, args.top)
-        case = {"case": spec, "step_ms": step_ms, "host_ms": host_ms, "host_top": host_top,
+        case = {"case": spec, "step_ms": step_ms, "host_ms": host_ms, "dispatch_ms": dispatch_ms,
+                "host_top": host_top,
                 "row_return_capacity": capacity, **profile}
         result["cases"].append(case)
-        print(f"== {spec}: {step_ms:.2f} ms untraced (host {host_ms:.2f}), GPU busy "
+        print(f"== {spec}: {step_ms:.2f} ms untraced (host {host_ms:.2f}, of it the compiled "
+              f"step's dispatch {dispatch_ms:.2f}), GPU busy "
               f"{case['busy_us_per_step']:.0f} us/step", flush=True)
         for row in host_top[:25]:
             print(f"  host {row['us_per_step']:8.1f} us x{row['calls_per_step']:6.1f}  {row['function']}",
