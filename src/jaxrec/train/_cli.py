@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxrec.train._config import DENSE_OPTIMIZERS, MODELS, TABLE_OPTIMIZERS, TrainConfig
+from jaxrec.train._config import (
+    DENSE_OPTIMIZERS,
+    MODELS,
+    RATINGS_WEIGHT_DECAY,
+    TABLE_OPTIMIZERS,
+    TrainConfig,
+)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,9 +27,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--table-lr", type=float, default=d.table_learning_rate, dest="table_learning_rate")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default=d.dense_optimizer)
     p.add_argument("--dense-lr", type=float, default=d.dense_learning_rate, dest="dense_learning_rate")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="ratings: L2 on the embeddings each rating uses, per rating "
-                        "(default: %(default)s)")
+    p.add_argument("--weight-decay", type=float,
+                   help=f"ratings only: L2 on the embeddings each rating uses, per rating "
+                        f"(default {RATINGS_WEIGHT_DECAY})")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--steps", type=int, default=None, help=f"default {d.steps} unless --epochs")
     p.add_argument("--epochs", type=int, help="passes over a file (criteo, movielens)")

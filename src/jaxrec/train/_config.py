@@ -30,6 +30,7 @@ RESUME_MUST_MATCH = ("data", "model", "seed", "table_optimizer", "dense_optimize
                      "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows", "eval_batches")
 # Applied to the restored state (the rates), or read by the loss each step (weight_decay).
 RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate", "weight_decay")
+RATINGS_WEIGHT_DECAY = 0.1  # measured: benchmarks/movielens_defaults.py, docs/nn.md
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,9 +47,10 @@ class TrainConfig:
     table_learning_rate: float = 0.1
     dense_optimizer: str = "adam"
     dense_learning_rate: float = 3e-3
-    weight_decay: float = 0.1
-    """ratings: L2 on the embeddings each rating uses (mf: its user's and item's rows,
-    factors and bias), added to its squared error; the same on resume or a new value."""
+    weight_decay: float | None = None
+    """Ratings only (default 0.1): L2 on the embeddings each rating uses (mf: its user's and
+    item's rows, factors and bias), added to its squared error; a resumed run takes a new
+    value. Refused for click data, whose models train without it."""
     batch_size: int = 1024
     steps: int | None = 2500
     """Training steps; None: ``epochs`` passes over a file (synthetic data needs steps)."""
@@ -117,6 +119,14 @@ class TrainConfig:
         for name in ("table_learning_rate", "dense_learning_rate"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
+        if self.weight_decay is not None and kind != "movielens":
+            raise ValueError(f"weight_decay applies to ratings (movielens data); the click "
+                             f"models train without it, so {self.weight_decay} would do nothing. "
+                             "Drop --weight-decay")
+        if self.weight_decay is None and kind == "movielens":
+            object.__setattr__(self, "weight_decay", RATINGS_WEIGHT_DECAY)
+        if self.weight_decay is not None and not 0 <= self.weight_decay < float("inf"):
+            raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {tuple(NONFINITE_POLICIES)}, got "
                              f"{self.on_nonfinite!r}")
