@@ -319,7 +319,7 @@ def test_monitor_counts_through_the_latch_wraparound():
     # The latch counts modulo 2**32 (int32 on the device); the host adds the differences
     # between two reads, so a long run's totals stay exact.
     from jaxrec import _step_guard
-    monitor = _step_guard.StepMonitor("skip")
+    monitor = _step_guard.StepMonitor()
     latch = lambda step, nonfinite, corrected: jnp.asarray([step, 0, 0, nonfinite, corrected],
                                                            jnp.int32)
     monitor.issued((), latch(1, 1, 2**31 - 5), [])

@@ -182,8 +182,9 @@ def make_functional_train_step(loss_fn, dense_optimizer: optax.GradientTransform
     before). A FATAL bounds check inside the loss never updates anything either and
     raises its ``ValueError`` the same way: the donated model stays usable.
     """
+    _step_guard.check_policy(on_nonfinite)
     messages: list = []
     step = guarded_update(loss_fn, dense_optimizer, has_aux=has_aux, on_nonfinite=on_nonfinite,
                           messages=messages)
     jitted = jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
-    return FunctionalTrainStep(jitted, messages, _step_guard.StepMonitor(on_nonfinite))
+    return FunctionalTrainStep(jitted, messages, _step_guard.StepMonitor())

@@ -70,7 +70,7 @@ class TrainStep:
     def __init__(self, loss_fn, *, has_aux: bool, donate: bool, on_nonfinite: str):
         self._loss_fn, self._has_aux, self._donate = loss_fn, has_aux, donate
         self._policy = on_nonfinite
-        self._monitor = _step_guard.StepMonitor(on_nonfinite)
+        self._monitor = _step_guard.StepMonitor()
         self._splits = SplitCache(split_for_training)
         self._optimizers = SplitCache()
         self._per_graphdef = {}  # model graphdef -> (mesh, axis, {key: (jitted, messages)})
