@@ -111,7 +111,7 @@ def fused_update(platform: str) -> Call:
                     state1=np.zeros(NUM_WEIGHTS, np.float32), state2=np.zeros(NUM_WEIGHTS, np.float32),
                     hparams=HPARAMS, step=np.int32(0))
     results = dict(weights=f32(NUM_WEIGHTS), state1=f32(NUM_WEIGHTS), state2=f32(NUM_WEIGHTS),
-                   grad_per_sample_weights=f32(N))
+                   grad_per_sample_weights=f32(N), nonfinite_rows=jax.ShapeDtypeStruct((), np.int32))
     attrs = dict(optimizer=np.int32(ADAM), pooling=np.int32(SUM), weight_decay_mode=np.int32(0),
                  stochastic_rounding=np.int32(0), seed=np.int32(0), max_dim=np.int32(max(DIMS)))
     return Call("jaxrec_tbe_fused_update", operands, results, attrs)
@@ -209,6 +209,8 @@ CASES = [  # (ops, id, mutation, the shared validation's message)
     (("fused_update",), "max-dim", attr("max_dim", 0), "max_dim must be the layout's largest dim, got 0"),
     (("fused_update",), "weights-result", result("weights", (NUM_WEIGHTS,), jnp.bfloat16),
      "the weights result must have the dtype and size of weights"),
+    (("fused_update",), "nonfinite-rows-result", result("nonfinite_rows", (2,), np.int32),
+     "the nonfinite_rows result must be an int32 scalar"),
     (("fused_update",), "state-result", result("state1", (NUM_WEIGHTS - 1,)),
      "state1 result must have the dtype and size of the state1 operand"),
     (("fused_update",), "state-dtype", both(attr("optimizer", ADAGRAD), state(1, np.zeros(NUM_WEIGHTS, np.int32))),

@@ -8,7 +8,8 @@
 // w[i], g[i] (the row's summed gradient), s1[i], s2[i] (per-element state), for
 // i < Row::Size(). Elements past the row's dim hold 0 and are never stored. Row sums
 // go through row.Reduce(partial): the CPU owns the whole row (identity), a CUDA warp
-// owns 4 columns per lane (a shuffle reduction), so this code is written once.
+// owns 4 columns per lane (a shuffle reduction), so this code is written once; row.All(ok)
+// is the same for a flag.
 #pragma once
 
 #include <cmath>
@@ -180,6 +181,35 @@ JAXREC_HOST_DEVICE void UpdateRow(Row& row, const RowUpdateArgs& a, float& s1_ro
       for (int i = 0; i < n; ++i) row.w[i] *= scale;
     }
   }
+}
+
+// --- rows that would not stay finite ----------------------------------------------------
+// A row whose new weights or state are not all finite, as they would be stored, is not
+// written: it keeps its old values, and the handler counts it (the `nonfinite_rows`
+// result; a train step's guard then reports the step as non-finite: jaxrec/_step_guard.py).
+// A NaN or Inf gradient and an overflowing update (lr x a finite gradient, or a value past
+// float16's range) are caught alike. The caller rounds the values to their storage dtype
+// first, so the check sees what would be stored. Bits, not isfinite: fast-math may fold that.
+
+JAXREC_HOST_DEVICE bool IsFiniteBits(float x) {
+  uint32_t bits;
+  memcpy(&bits, &x, sizeof(bits));
+  return (bits & 0x7f800000u) != 0x7f800000u;
+}
+
+// Whether every value of `row` (and the per-row states) that UpdateRow set is finite; for a
+// CUDA warp, across all its lanes (row.All).
+template <OptimizerKind kKind, typename Row>
+JAXREC_HOST_DEVICE bool RowStaysFinite(const Row& row, float s1_row, float s2_row) {
+  constexpr int kStates = NumStates(kKind);
+  bool ok = IsFiniteBits(s1_row) && IsFiniteBits(s2_row);  // 0 unless a per-row state
+  for (int i = 0; i < row.Size(); ++i) {
+    if (!row.valid(i)) continue;
+    ok = ok && IsFiniteBits(row.w[i]);
+    if constexpr (kStates >= 1 && !State1PerRow(kKind)) ok = ok && IsFiniteBits(row.s1[i]);
+    if constexpr (kStates >= 2 && !State2PerRow(kKind)) ok = ok && IsFiniteBits(row.s2[i]);
+  }
+  return row.All(ok);
 }
 
 // --- stochastic rounding -------------------------------------------------------------

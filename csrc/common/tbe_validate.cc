@@ -194,8 +194,9 @@ ffi::Error ValidateFusedUpdate(std::string_view op, ffi::AnyBuffer grad_output, 
                                ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
                                ffi::AnyBuffer hparams, ffi::AnyBuffer step, ffi::AnyBuffer weights_out,
                                ffi::AnyBuffer state1_out, ffi::AnyBuffer state2_out,
-                               ffi::AnyBuffer grad_per_sample_weights, int32_t optimizer, int32_t pooling,
-                               int32_t weight_decay_mode, int32_t max_dim, TbeBatch* batch) {
+                               ffi::AnyBuffer grad_per_sample_weights, ffi::AnyBuffer nonfinite_rows,
+                               int32_t optimizer, int32_t pooling, int32_t weight_decay_mode, int32_t max_dim,
+                               TbeBatch* batch) {
   if (ffi::Error error =
           ValidateLookup(op, weights, indices, offsets, per_sample_weights, layout, pooling, batch);
       error.failure()) {
@@ -233,6 +234,9 @@ ffi::Error ValidateFusedUpdate(std::string_view op, ffi::AnyBuffer grad_output, 
   if (ffi::Error error = ValidateGradPerSampleWeights(op, per_sample_weights, grad_per_sample_weights);
       error.failure()) {
     return error;
+  }
+  if (nonfinite_rows.element_type() != ffi::DataType::S32 || nonfinite_rows.element_count() != 1) {
+    return Invalid(op, "the nonfinite_rows result must be an int32 scalar");
   }
   const auto kind = static_cast<OptimizerKind>(optimizer);
   const int64_t num_weights = weights.element_count();

@@ -62,8 +62,9 @@ ffi::Error ValidateFusedUpdate(std::string_view op, ffi::AnyBuffer grad_output, 
                                ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
                                ffi::AnyBuffer hparams, ffi::AnyBuffer step, ffi::AnyBuffer weights_out,
                                ffi::AnyBuffer state1_out, ffi::AnyBuffer state2_out,
-                               ffi::AnyBuffer grad_per_sample_weights, int32_t optimizer, int32_t pooling,
-                               int32_t weight_decay_mode, int32_t max_dim, TbeBatch* batch);
+                               ffi::AnyBuffer grad_per_sample_weights, ffi::AnyBuffer nonfinite_rows,
+                               int32_t optimizer, int32_t pooling, int32_t weight_decay_mode, int32_t max_dim,
+                               TbeBatch* batch);
 
 // The per-row state message, shared with the CPU handler's check against the keys.
 std::string PerRowStateMessage(int which, int64_t count);

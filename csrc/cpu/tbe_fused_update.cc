@@ -9,7 +9,8 @@
 // state1, state2 (F32/F16/BF16, or [0] when the optimizer has fewer), hparams (F32[9]),
 // step (S32 scalar: updates so far). Results: weights, state1, state2 (aliased to their
 // operands by the wrapper; updated in place) and grad_per_sample_weights (F32 [N] or
-// [0], from the weights *before* the update). Attributes: optimizer, pooling,
+// [0], from the weights *before* the update) and nonfinite_rows (S32 scalar: the rows
+// kept because their update would not stay finite; common/fused_optimizer.h). Attributes: optimizer, pooling,
 // weight_decay_mode, stochastic_rounding, seed, max_dim (the layout's largest dim,
 // checked). FBGEMM's gradient clipping is applied by the wrapper, to grad_output.
 //
@@ -34,6 +35,7 @@
 // an entry, and a run whose row is not in its table: no row or state outside the
 // feature's table is ever read or written.
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -68,6 +70,7 @@ struct CpuRow {
   int Size() const { return n; }
   bool valid(int) const { return true; }
   float Reduce(float x) const { return x; }
+  bool All(bool ok) const { return ok; }
 };
 
 // A state result buffer; its dtype is switched on once per row, not per element.
@@ -109,6 +112,19 @@ JAXREC_ALWAYS_INLINE void StoreState(const StateBuffer& s, int64_t start, int64_
   }
 }
 
+// x as it would read back from a T: the values RowStaysFinite checks.
+template <typename T>
+JAXREC_ALWAYS_INLINE void RoundRow(float* __restrict x, int64_t n) {
+  if constexpr (!std::is_same_v<T, float>) {
+    for (int64_t i = 0; i < n; ++i) x[i] = ToFloat(FromFloat<T>(x[i]));
+  }
+}
+
+JAXREC_ALWAYS_INLINE void RoundState(const StateBuffer& s, int64_t n, float* x) {
+  if (s.dtype == ffi::DataType::BF16) RoundRow<BFloat16>(x, n);
+  if (s.dtype == ffi::DataType::F16) RoundRow<Half>(x, n);
+}
+
 JAXREC_ALWAYS_INLINE void PrefetchState(const StateBuffer& s, int64_t start, int64_t n) {
   if (s.data == nullptr) return;
   const int64_t width = s.dtype == ffi::DataType::F32 ? 4 : 2;
@@ -139,10 +155,10 @@ struct UpdateArgs {
   uint32_t step;  // t = updates so far + 1
 };
 
-// Updates the rows whose runs start in sorted entries [begin, end). `scratch` holds
-// 4 * max_dim floats.
+// Updates the rows whose runs start in sorted entries [begin, end); returns how many were
+// kept because their update would not stay finite. `scratch` holds 4 * max_dim floats.
 template <OptimizerKind kKind, typename W, typename I>
-JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
+JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
   constexpr I kSentinel = std::numeric_limits<I>::max();
   constexpr bool kState1 = NumStates(kKind) >= 1, kState2 = NumStates(kKind) >= 2;
   constexpr bool kRow1 = State1PerRow(kKind), kRow2 = State2PerRow(kKind);  // else per element
@@ -186,6 +202,7 @@ JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int6
     if constexpr (kState2) PrefetchState(a.state2, kRow2 ? keys[i] : start, kRow2 ? 1 : dim);
   };
 
+  int64_t kept = 0;
   int64_t i = begin;
   while (i > 0 && i < end && keys[i] == keys[i - 1]) ++i;  // that run belongs to an earlier item
   while (i < end && keys[i] != kSentinel) {
@@ -238,26 +255,36 @@ JAXREC_ALWAYS_INLINE void UpdateItem(const UpdateArgs<I>& a, int64_t begin, int6
         }
       }
     }
+    RoundRow<W>(w, dim);
+    if constexpr (kState1) RoundState(a.state1, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
+    if constexpr (kState2) RoundState(a.state2, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
+    if (!RowStaysFinite<kKind>(row, s1_row, s2_row)) {  // the row keeps its old values
+      ++kept;
+      i = j;
+      continue;
+    }
     StoreRow(w, dim, wrow);
     if constexpr (kState1) StoreState(a.state1, kRow1 ? key : start, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
     if constexpr (kState2) StoreState(a.state2, kRow2 ? key : start, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
     i = j;
   }
+  return kept;
 }
 
 template <OptimizerKind kKind, typename W, typename I>
-void UpdateItemBaseline(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
-  UpdateItem<kKind, W, I>(a, begin, end, scratch);
+int64_t UpdateItemBaseline(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
+  return UpdateItem<kKind, W, I>(a, begin, end, scratch);
 }
 #if JAXREC_HAS_ISA_CLONES
 template <OptimizerKind kKind, typename W, typename I>
-JAXREC_TARGET_AVX2 void UpdateItemAvx2(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
-  UpdateItem<kKind, W, I>(a, begin, end, scratch);
+JAXREC_TARGET_AVX2 int64_t UpdateItemAvx2(const UpdateArgs<I>& a, int64_t begin, int64_t end,
+                                          float* scratch) {
+  return UpdateItem<kKind, W, I>(a, begin, end, scratch);
 }
 template <OptimizerKind kKind, typename W, typename I>
-JAXREC_TARGET_AVX512 void UpdateItemAvx512(const UpdateArgs<I>& a, int64_t begin, int64_t end,
-                                           float* scratch) {
-  UpdateItem<kKind, W, I>(a, begin, end, scratch);
+JAXREC_TARGET_AVX512 int64_t UpdateItemAvx512(const UpdateArgs<I>& a, int64_t begin, int64_t end,
+                                              float* scratch) {
+  return UpdateItem<kKind, W, I>(a, begin, end, scratch);
 }
 #endif
 
@@ -276,19 +303,23 @@ auto SelectUpdateItem() {
   return &UpdateItemBaseline<kKind, W, I>;
 }
 
+// Returns the number of rows kept because their update would not stay finite.
 template <OptimizerKind kKind, typename W, typename I>
-void FusedUpdate(ffi::ThreadPool& pool, const UpdateArgs<I>& a) {
+int64_t FusedUpdate(ffi::ThreadPool& pool, const UpdateArgs<I>& a) {
   if (a.grad_per_sample_weights != nullptr) {  // positions outside bags stay 0
     std::memset(a.grad_per_sample_weights, 0, a.num_sorted * sizeof(float));
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t item = std::clamp<int64_t>(a.num_sorted / (4 * threads), kMinItem, kMaxItem);
   const auto item_fn = SelectUpdateItem<kKind, W, I>();
+  std::atomic<int64_t> kept{0};
   ParallelFor(pool, (a.num_sorted + item - 1) / item, [&](int64_t k) {
     thread_local std::vector<float> scratch;
     if (static_cast<int64_t>(scratch.size()) < 4 * a.max_dim) scratch.resize(4 * a.max_dim);
-    item_fn(a, k * item, std::min(a.num_sorted, (k + 1) * item), scratch.data());
+    const int64_t n = item_fn(a, k * item, std::min(a.num_sorted, (k + 1) * item), scratch.data());
+    if (n > 0) kept.fetch_add(n, std::memory_order_relaxed);
   });
+  return kept.load();
 }
 
 // A per-row state (`per_row`) of state operand `which` must hold a value at every row key.
@@ -310,22 +341,21 @@ void CopyUnlessAliased(ffi::ThreadPool& pool, ffi::AnyBuffer from, ffi::AnyBuffe
   });
 }
 
-ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
-                             ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
-                             ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
-                             ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
-                             ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
-                             ffi::AnyBuffer hparams, ffi::AnyBuffer step,
-                             ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
-                             ffi::Result<ffi::AnyBuffer> state2_out,
-                             ffi::Result<ffi::AnyBuffer> grad_per_sample_weights, int32_t optimizer,
-                             int32_t pooling, int32_t weight_decay_mode, int32_t stochastic_rounding,
-                             int32_t seed, int32_t max_dim) {
+ffi::Error TbeFusedUpdateCpu(
+    ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights, ffi::AnyBuffer indices,
+    ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
+    ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions, ffi::AnyBuffer sorted_bags,
+    ffi::AnyBuffer state1, ffi::AnyBuffer state2, ffi::AnyBuffer hparams, ffi::AnyBuffer step,
+    ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
+    ffi::Result<ffi::AnyBuffer> state2_out, ffi::Result<ffi::AnyBuffer> grad_per_sample_weights,
+    ffi::Result<ffi::AnyBuffer> nonfinite_rows, int32_t optimizer, int32_t pooling, int32_t weight_decay_mode,
+    int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
   TbeProblem problem;
-  if (ffi::Error error = ValidateFusedUpdate(
-          kOp, grad_output, weights, indices, offsets, per_sample_weights, layout, sorted_keys,
-          sorted_positions, sorted_bags, state1, state2, hparams, step, *weights_out, *state1_out,
-          *state2_out, *grad_per_sample_weights, optimizer, pooling, weight_decay_mode, max_dim, &problem);
+  if (ffi::Error error =
+          ValidateFusedUpdate(kOp, grad_output, weights, indices, offsets, per_sample_weights, layout,
+                              sorted_keys, sorted_positions, sorted_bags, state1, state2, hparams, step,
+                              *weights_out, *state1_out, *state2_out, *grad_per_sample_weights,
+                              *nonfinite_rows, optimizer, pooling, weight_decay_mode, max_dim, &problem);
       error.failure()) {
     return error;
   }
@@ -388,7 +418,9 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
           static_cast<uint32_t>(seed),
           static_cast<uint32_t>(t)};
       return DispatchFloatType<Half, BFloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
-        FusedUpdate<kKind, decltype(weight_zero), I>(pool, args);
+        const int64_t kept = FusedUpdate<kKind, decltype(weight_zero), I>(pool, args);
+        nonfinite_rows->typed_data<int32_t>()[0] =
+            static_cast<int32_t>(std::min<int64_t>(kept, std::numeric_limits<int32_t>::max()));
         return ffi::Error::Success();
       });
     });
@@ -419,6 +451,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCpu, jaxrec::cpu::TbeFusedUpda
                                   .Ret<xla::ffi::AnyBuffer>()  // state1 (aliases operand 9)
                                   .Ret<xla::ffi::AnyBuffer>()  // state2 (aliases operand 10)
                                   .Ret<xla::ffi::AnyBuffer>()  // grad_per_sample_weights
+                                  .Ret<xla::ffi::AnyBuffer>()  // nonfinite_rows
                                   .Attr<int32_t>("optimizer")
                                   .Attr<int32_t>("pooling")
                                   .Attr<int32_t>("weight_decay_mode")

@@ -13,7 +13,8 @@
 //      then adds those partial rows, in window order;
 //   2. loads the row's weights and optimizer state, applies UpdateRow
 //      (common/fused_optimizer.h; row sums are warp shuffles), and
-//   3. stores the row and its state once.
+//   3. stores the row and its state once, unless a value would not stay finite
+//      (RowStaysFinite): then the row keeps its values and nonfinite_rows counts it.
 // A run whose head is not a row of its feature's table (EntryOk) is skipped: the
 // wrapper already gives such positions the sentinel key, and with gradient clipping
 // applied by the wrapper to grad_output (as FBGEMM does) the row math has none.
@@ -87,6 +88,17 @@ struct StateBuffer {
         return As<float>()[i];
     }
   }
+  // v as it would read back from this buffer (RowStaysFinite checks what is stored).
+  __device__ __forceinline__ float Round(float v) const {
+    switch (dtype) {
+      case ffi::DataType::BF16:
+        return ToFloat(FromFloat<__nv_bfloat16>(v));
+      case ffi::DataType::F16:
+        return ToFloat(FromFloat<__half>(v));
+      default:
+        return v;
+    }
+  }
   __device__ __forceinline__ void Store(int64_t i, float v) const {
     switch (dtype) {
       case ffi::DataType::BF16:
@@ -109,8 +121,9 @@ struct FusedArgs {
   WeightDecayMode weight_decay_mode;
   bool stochastic_rounding;
   uint32_t seed;
-  float* partials;        // [ceil(N / kWindow), max_dim]: each window's head sum (step 1)
-  int64_t partial_width;  // max_dim
+  float* partials;          // [ceil(N / kWindow), max_dim]: each window's head sum (step 1)
+  int64_t partial_width;    // max_dim
+  int32_t* nonfinite_rows;  // rows kept because their update would not stay finite
 };
 
 // The row as one warp holds it: element i of lane `lane` is column 128 * (i / 4) + 4 * lane + i % 4.
@@ -128,6 +141,7 @@ struct WarpRow {
     for (int s = kWarpSize / 2; s > 0; s /= 2) x += __shfl_xor_sync(0xffffffff, x, s);
     return x;  // every lane holds the same sum (each butterfly step adds a pair both ways)
   }
+  __device__ __forceinline__ bool All(bool ok) const { return __all_sync(0xffffffff, ok); }
 };
 
 __device__ __forceinline__ void Put4(float* dst, float4 v) {
@@ -291,14 +305,30 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   ua.weight_decay_mode = a.weight_decay_mode;
   UpdateRow<kKind>(row, ua, s1_row, s2_row);
 
+  // Round to the stored dtypes, then keep the row as it was if a value would not be finite.
+#pragma unroll
+  for (int e = 0; e < row.Size(); ++e) {
+    if (a.stochastic_rounding && e % 4 == 0) {
+      const int64_t c = 128 * (e / 4) + 4 * row.lane;
+      Put4(row.w + e, RoundStochastic4<W>(Get4(row.w + e), a, static_cast<uint32_t>(new_step), key, c));
+    }
+    row.w[e] = ToFloat(FromFloat<W>(row.w[e]));
+    if constexpr (kStates >= 1 && !kS1Row) row.s1[e] = a.state1.Round(row.s1[e]);
+    if constexpr (kStates >= 2 && !kS2Row) row.s2[e] = a.state2.Round(row.s2[e]);
+  }
+  if constexpr (kS1Row) s1_row = a.state1.Round(s1_row);
+  if constexpr (kS2Row) s2_row = a.state2.Round(s2_row);
+  if (!RowStaysFinite<kKind>(row, s1_row, s2_row)) {
+    if (row.lane == 0) atomicAdd(a.nonfinite_rows, 1);
+    return;
+  }
+
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
     const int64_t c = 128 * k + 4 * row.lane;
     if (c >= row.dim) continue;
     const int count = ColumnsLeft(row.dim, c);
-    float4 w = Get4(row.w + 4 * k);
-    if (a.stochastic_rounding) w = RoundStochastic4<W>(w, a, static_cast<uint32_t>(new_step), key, c);
-    StoreAny4(weights + row_start + c, w, count);
+    StoreAny4(weights + row_start + c, Get4(row.w + 4 * k), count);
     if constexpr (kStates >= 1 && !kS1Row) a.state1.Store4(row_start + c, Get4(row.s1 + 4 * k), count);
     if constexpr (kStates >= 2 && !kS2Row) a.state2.Store4(row_start + c, Get4(row.s2 + 4 * k), count);
   }
@@ -363,13 +393,14 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                               ffi::AnyBuffer hparams, ffi::AnyBuffer step,
                               ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
                               ffi::Result<ffi::AnyBuffer> state2_out, ffi::Result<ffi::AnyBuffer> grad_psw,
-                              int32_t optimizer, int32_t pooling, int32_t weight_decay_mode,
-                              int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
+                              ffi::Result<ffi::AnyBuffer> nonfinite_rows, int32_t optimizer, int32_t pooling,
+                              int32_t weight_decay_mode, int32_t stochastic_rounding, int32_t seed,
+                              int32_t max_dim) {
   TbeBatch batch;
-  if (ffi::Error error = ValidateFusedUpdate(kOp, grad, weights, indices, offsets, per_sample_weights, layout,
-                                             sorted_keys, sorted_positions, sorted_bags, state1, state2,
-                                             hparams, step, *weights_out, *state1_out, *state2_out, *grad_psw,
-                                             optimizer, pooling, weight_decay_mode, max_dim, &batch);
+  if (ffi::Error error = ValidateFusedUpdate(
+          kOp, grad, weights, indices, offsets, per_sample_weights, layout, sorted_keys, sorted_positions,
+          sorted_bags, state1, state2, hparams, step, *weights_out, *state1_out, *state2_out, *grad_psw,
+          *nonfinite_rows, optimizer, pooling, weight_decay_mode, max_dim, &batch);
       error.failure()) {
     return error;
   }
@@ -384,6 +415,11 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   a.weight_decay_mode = static_cast<WeightDecayMode>(weight_decay_mode);
   a.stochastic_rounding = stochastic_rounding != 0;
   a.seed = static_cast<uint32_t>(seed);
+  a.nonfinite_rows = nonfinite_rows->typed_data<int32_t>();
+  if (ffi::Error e = Check(cudaMemsetAsync(a.nonfinite_rows, 0, sizeof(int32_t), stream), "memset");
+      e.failure()) {
+    return e;
+  }
 
   for (auto [in, out, what] : {std::tuple{&weights, weights_out->untyped_data(), "weights copy"},
                                std::tuple{&state1, state1_out->untyped_data(), "state1 copy"},
@@ -463,6 +499,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCuda, jaxrec::TbeFusedUpdateCu
                                   .Ret<xla::ffi::AnyBuffer>()  // state1 (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()  // state2 (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()  // grad_per_sample_weights
+                                  .Ret<xla::ffi::AnyBuffer>()  // nonfinite_rows
                                   .Attr<int32_t>("optimizer")
                                   .Attr<int32_t>("pooling")
                                   .Attr<int32_t>("weight_decay_mode")

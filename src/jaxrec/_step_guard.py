@@ -8,32 +8,36 @@ raising, and the step decides:
 * ``report_fatal(report, message)``: a FATAL bounds check found bad ids (the ids were
   corrected as under WARNING, so no memory outside a table is touched);
 * ``report_corrected(count)``: a WARNING bounds check corrected ``count`` bags and ids;
-* ``table_gate(name, grad_output)``: a fused backward asks whether to apply its update.
+* ``table_gate(name, grad_output)``: a fused backward asks whether to apply its update;
+* ``report_nonfinite_rows(count)``: a fused update kept ``count`` rows whose update would
+  not have been finite (the kernels never write such a row: csrc/common/fused_optimizer.h).
 
 The step (``jaxrec.fused.make_functional_train_step`` and ``jaxrec.nn.make_train_step``,
 unsharded or sharded) applies an update only where it is sound: no FATAL report, and,
 unless ``on_nonfinite="ignore"``, a finite loss, finite dense gradients, finite cotangents
-into every fused table and finite new dense parameters and optax state. Otherwise it
-updates nothing — tables, optimizer slots, dense parameters and optax state keep their
-values.
+into every fused table, finite new dense parameters and optax state, and no fused table
+row whose update overflowed. Otherwise it updates nothing — tables, optimizer slots, dense
+parameters and optax state keep their values — with the exceptions below.
 
 The host never waits for the device. Each step takes a small latch from the step before
 and returns it updated (``finish``): once a step must raise, the latch makes every later
 step update nothing, so that the error finds the model exactly as it was before the bad
 step however many steps the host issued in between; the latch also counts non-finite
-steps and corrected ids. ``StepMonitor`` starts copying every 16th step's latch to the
+steps, corrected ids and kept rows. ``StepMonitor`` starts copying every 16th step's latch to the
 host and reads it once the device has finished that step (``is_ready``), before issuing
 another, or at ``check()``, which waits for the newest step; it raises for the step that
 halted, and re-arms the latch.
 
-Two gaps, documented in docs/reliability.md, both because a fused table's update runs
-inside the backward, in place, before the rest of the step exists. Its gate covers the
-loss (the backward is seeded with NaN when the loss is not finite, which reaches every
-fused table) and the table's own cotangent, but (1) not a dense gradient that alone is
-non-finite with a finite loss (such a step skips the dense update and is reported all the
-same), and (2) not the rows it writes: a finite gradient times a rate so large that the
-row overflows is written. The next step's loss is then not finite and stops training, and
-checkpoints refuse non-finite arrays (``jaxrec train`` stops there as at a non-finite step).
+The exceptions, documented in docs/reliability.md, come from a fused table's update
+running inside the backward, in place, before the rest of the step exists. Its gate
+covers the loss (the backward is seeded with NaN when the loss is not finite, which
+reaches every fused table) and the table's own cotangent, but (1) not a dense gradient
+that alone is non-finite with a finite loss (such a step skips the dense update and is
+reported all the same, but its table rows were updated), and (2) not an overflow in the
+rows it writes, which only the kernel sees, row by row: a row whose update would not be
+finite keeps its values and is counted, the step is reported as non-finite, but the
+table's other rows of that step were updated. So no update ever writes a non-finite
+value into a table. A TT table's update is kept or dropped whole.
 
 The collectors hold tracers of the step's own trace: a fused lookup or bounds check under
 ``jax.checkpoint``/``lax.scan`` inside the loss would leak them, and JAX says so.
@@ -82,6 +86,7 @@ class _Trace:
     latch: jax.Array  # the latch the step took (``StepMonitor.latch``)
     fatal: list = dataclasses.field(default_factory=list)       # (report, message)
     corrected: list = dataclasses.field(default_factory=list)   # int32 scalars
+    kept_rows: list = dataclasses.field(default_factory=list)   # int32 scalars
     gates: dict = dataclasses.field(default_factory=dict)       # tables name -> bool
 
     @property
@@ -154,6 +159,14 @@ def report_corrected(count: jax.Array) -> None:
         trace.corrected.append(jnp.asarray(count, jnp.int32))
 
 
+def report_nonfinite_rows(count: jax.Array) -> None:
+    """Counts rows a fused update kept because their update would not stay finite; inside
+    a step that checks (not "ignore"), the step is then non-finite."""
+    trace = active()
+    if trace is not None:
+        trace.kept_rows.append(jnp.asarray(count, jnp.int32))
+
+
 def table_gate(name: str, grad_output: jax.Array) -> jax.Array | None:
     """Whether the fused backward of tables ``name`` applies its update: ``None`` outside a
     step that checks anything (always apply), else a bool scalar."""
@@ -183,7 +196,7 @@ def seed(trace: _Trace | None, loss: jax.Array) -> jax.Array:
     return jnp.where(jnp.isfinite(loss), one, jnp.full_like(loss, jnp.nan))
 
 
-def _all_finite(leaves) -> jax.Array:
+def all_finite(leaves) -> jax.Array:
     """Whether every float leaf is finite, as one reduction over all of them rather than
     one per leaf: the host launches each kernel of the step, every step."""
     masks = [jnp.isfinite(x).ravel() for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
@@ -192,11 +205,12 @@ def _all_finite(leaves) -> jax.Array:
 
 # The latch, an int32 vector that each step takes from the one before and returns
 # updated: the step's index, whether a step since the last raise must raise (then every
-# later one updates nothing), which step that was, and running counts of non-finite steps
-# and of bags and ids corrected by WARNING bounds checks (modulo 2**32: the host adds the
-# differences between two reads). The host reads the newest finished latch only, in one
-# small transfer, and knows all steps up to it.
-_STEP, _HALTED, _HALTED_AT, _NONFINITE, _CORRECTED = range(5)
+# later one updates nothing), which step that was, and running counts of non-finite steps,
+# of bags and ids corrected by WARNING bounds checks and of fused table rows kept because
+# their update would not stay finite (modulo 2**32: the host adds the differences between
+# two reads). The host reads the newest finished latch only, in one small transfer, and
+# knows all steps up to it.
+_STEP, _HALTED, _HALTED_AT, _NONFINITE, _CORRECTED, _KEPT_ROWS = range(6)
 
 
 def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
@@ -204,17 +218,19 @@ def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
     where the step is sound, else ``old``; ``fatal``, the step's FATAL bounds reports
     (int32 vectors, in the order of its messages); ``latch``, the one the next step takes."""
     finite = jnp.ones((), bool)
+    kept_rows = sum(trace.kept_rows, jnp.zeros((), jnp.int32))
     if trace.policy != "ignore":
         # new: a rate can overflow a parameter or an optimizer slot
-        finite = jnp.all(jnp.isfinite(loss)) & _all_finite(jax.tree.leaves((dense_grads, new)))
+        finite = jnp.all(jnp.isfinite(loss)) & all_finite(jax.tree.leaves((dense_grads, new)))
+        finite = finite & (kept_rows == 0)
         for gate in trace.gates.values():
             finite = finite & gate
     # One collective for what every device must agree on (each launch costs host time).
     counts = jnp.stack([trace.any_fatal().astype(jnp.int32), (~finite).astype(jnp.int32),
-                        sum(trace.corrected, jnp.zeros((), jnp.int32))])
+                        sum(trace.corrected, jnp.zeros((), jnp.int32)), kept_rows])
     if trace.axis_name is not None:
         counts = jax.lax.psum(counts, trace.axis_name)
-    bad_input, nonfinite, corrected = counts[0] > 0, counts[1] > 0, counts[2]
+    bad_input, nonfinite, corrected, kept_rows = counts[0] > 0, counts[1] > 0, counts[2], counts[3]
     was_halted = trace.halted
     applied = ~(bad_input | nonfinite | was_halted)
     if trace.policy != "ignore" or trace.fatal:
@@ -228,6 +244,7 @@ def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
         jnp.where(halts, latch[_STEP], latch[_HALTED_AT]),
         latch[_NONFINITE] + counted * nonfinite.astype(jnp.int32),
         latch[_CORRECTED] + counted * corrected,
+        latch[_KEPT_ROWS] + counted * kept_rows,
     ])
     return new, tuple(r for r, _ in trace.fatal), latch
 
@@ -255,8 +272,8 @@ class StepMonitor:
         self._latch = None  # the next step's latch (None: a fresh one)
         self._issued = collections.deque()  # steps not yet known to be sound
         self._copying = collections.deque()  # of those, the ones whose latch is on its way
-        self._nonfinite = self._corrected = 0  # totals
-        self._counters = (0, 0)  # the device's counters at the last read (modulo 2**32)
+        self._totals = [0, 0, 0]  # non-finite steps, corrected ids, kept rows
+        self._counters = (0, 0, 0)  # the device's counters at the last read (modulo 2**32)
 
     def latch(self) -> jax.Array:
         """The latch for the step about to be issued (after ``poll()``)."""
@@ -289,30 +306,32 @@ class StepMonitor:
             self._read(self._issued[-1])
 
     def stats(self) -> dict:
-        """Host ints: ``steps``, ``nonfinite_steps`` and ``ids_corrected`` so far (waits,
-        and raises what the steps found, as ``check()``)."""
+        """Host ints: ``steps``, ``nonfinite_steps``, ``ids_corrected`` and
+        ``nonfinite_rows`` (fused table rows kept because their update would not stay
+        finite) so far (waits, and raises what the steps found, as ``check()``)."""
         self.check()
-        return {"steps": self.steps, "nonfinite_steps": self._nonfinite,
-                "ids_corrected": self._corrected}
+        nonfinite, corrected, kept = self._totals
+        return {"steps": self.steps, "nonfinite_steps": nonfinite, "ids_corrected": corrected,
+                "nonfinite_rows": kept}
 
     def _read(self, entry: _Issued) -> None:
         """Reads ``entry``'s latch, which knows every step up to it: adds up the counts and
         raises for the step that halted, if one did."""
-        _, halted, halted_at, nonfinite, corrected = (int(x) for x in np.asarray(entry.latch))
-        self._nonfinite += (nonfinite - self._counters[0]) % 2**32
-        self._corrected += (corrected - self._counters[1]) % 2**32
-        self._counters = (nonfinite, corrected)
+        _, halted, halted_at, *counters = (int(x) for x in np.asarray(entry.latch))
+        new = [(now - before) % 2**32 for now, before in zip(counters, self._counters)]
+        self._totals = [total + n for total, n in zip(self._totals, new)]
+        self._counters = tuple(counters)
         issued = self._issued
         if halted:
             cause = issued[halted_at - issued[0].step]
             issued.clear()  # the steps after the cause were skipped by the latch
             self._copying.clear()
             self._latch = None  # re-armed: the next step trains again
-            self._raise(cause)
+            self._raise(cause, kept_rows=new[2])
         while issued and issued[0].step <= entry.step:
             issued.popleft()
 
-    def _raise(self, entry: _Issued) -> None:
+    def _raise(self, entry: _Issued, kept_rows: int) -> None:
         step, last = entry.step, self.steps - 1
         later = (f" Steps {step + 1}-{last}, issued before this was seen, were skipped too."
                  if last > step else "")
@@ -321,9 +340,15 @@ class StepMonitor:
             if text is not None:
                 raise ValueError(f"train step {step}: {text} The step's update was skipped: the "
                                  f"model and optimizer hold their state from before it.{later}")
+        if kept_rows:
+            what = (f"the update of {kept_rows} fused table row(s) would not have been finite "
+                    "(NaN or Inf); those rows kept their values and the dense update was skipped, "
+                    "but the tables' other rows of that step were updated (finite).")
+        else:
+            what = ("the loss, a gradient or an updated dense value is not finite (NaN or Inf); "
+                    "its update was skipped, so the model and optimizer hold their finite state "
+                    "from before it.")
         raise NonFiniteError(
-            f"train step {step}: the loss, a gradient or an updated dense value is not finite "
-            f"(NaN or Inf); its update was skipped, so the model and optimizer hold their finite "
-            f"state from before it.{later} Lower the learning rates, check the inputs (NaN "
+            f"train step {step}: {what}{later} Lower the learning rates, check the inputs (NaN "
             "features or per-sample weights), or pass on_nonfinite='skip' to skip such steps "
             "and count them.", step)

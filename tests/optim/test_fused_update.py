@@ -105,8 +105,8 @@ def test_kernel_equals_reference(platform, name, weight_dtype, pooling, weighted
     for _ in range(STEPS):
         batch = random_step_batch(rng, layout, pooling, weighted)
         batches.append(batch)
-        wk, sk, gk = kernel(wk, sk, *batch)
-        wr, sr, gr = reference(wr, sr, *batch)
+        wk, sk, gk, _ = kernel(wk, sk, *batch)
+        wr, sr, gr, _ = reference(wr, sr, *batch)
         if weighted:
             np.testing.assert_allclose(gk, gr, rtol=1e-4, atol=1e-5)
         # Compare step by step from the same point, so 16-bit rounding does not drift apart.
@@ -134,8 +134,8 @@ def test_low_precision_state(platform, state_dtype):
     w, s = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, False, jnp.float32)
     assert s.exp_avg.dtype == state_dtype
     batch = random_step_batch(rng, LAYOUT, PoolingMode.SUM, False)
-    wk, sk, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")(w, s, *batch)
-    wr, sr, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")(w, s, *batch)
+    wk, sk, *_ = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")(w, s, *batch)
+    wr, sr, *_ = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")(w, s, *batch)
     np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
     tol = float(jnp.finfo(state_dtype).eps)
     for field in ("exp_avg", "exp_avg_sq"):
@@ -155,7 +155,7 @@ def test_matches_float64_numpy_over_steps(platform):
     kernel = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")
     for step in range(STEPS):
         indices, offsets, grad_output = random_batch(rng)
-        w, s, _ = kernel(w, s, grad_output, indices, offsets, np.zeros(indices.shape, np.float32))
+        w, s, *_ = kernel(w, s, grad_output, indices, offsets, np.zeros(indices.shape, np.float32))
         reference_step(config, weights, states, merged_grads((indices, offsets, grad_output)), step)
     got_w, got_s = from_jax(config, w, s)
     for t in range(LAYOUT.num_tables):
@@ -228,8 +228,8 @@ def test_hot_rows_longer_than_a_window(platform, name, pooling, weighted):
         assert np.sum(indices[:offsets[-1]] == 0) > 3 * 256
         grad_output = rng.normal(size=(batch_size, LAYOUT.total_dim)).astype(np.float32)
         psw = rng.normal(size=indices.shape).astype(np.float32)
-        wk, sk, gk = kernel(w0, s0, grad_output, indices, offsets, psw)
-        wr, sr, gr = reference(w0, s0, grad_output, indices, offsets, psw)
+        wk, sk, gk, _ = kernel(w0, s0, grad_output, indices, offsets, psw)
+        wr, sr, gr, _ = reference(w0, s0, grad_output, indices, offsets, psw)
         np.testing.assert_allclose(wk, wr, rtol=1e-4, atol=1e-5)
         for field in config.state_type._fields[1:]:
             np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=1e-4, atol=1e-6,
@@ -246,8 +246,8 @@ def test_int64_ids(platform, x64):
     w, s = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, False, jnp.float32)
     grad_output, indices, offsets, psw = random_step_batch(rng, LAYOUT, PoolingMode.SUM, False)
     args = (grad_output, indices.astype(np.int64), offsets.astype(np.int64), psw)
-    wk, sk, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")(w, s, *args)
-    wr, sr, _ = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")(w, s, *args)
+    wk, sk, *_ = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")(w, s, *args)
+    wr, sr, *_ = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")(w, s, *args)
     np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(sk.momentum1, sr.momentum1, rtol=1e-5, atol=1e-7)
 
@@ -301,7 +301,7 @@ def test_gradient_clipping_clamps_grad_output_like_fbgemm(platform, pooling):
     grad_output = rng.normal(scale=2.0, size=(2, 7)).astype(np.float32)
     bound, lr = 0.6, 0.5
     config = optim.SGD(learning_rate=lr, gradient_clipping=True, max_gradient=bound)
-    got_w, _, got_psw = _fused_update(
+    got_w, _, got_psw, _ = _fused_update(
         weights, optim.init_state(config, layout), grad_output, indices, offsets, layout=layout,
         config=config, hparams=None, pooling=pooling, per_sample_weights=psw,
         bounds_check_mode="FATAL", backend="kernel")
@@ -327,3 +327,69 @@ def test_gradient_clipping_clamps_grad_output_like_fbgemm(platform, pooling):
     assert np.abs(row_sums[0][3]).max() > bound  # a row-sum clip would have given another row 3
     unclipped_psw = [grad_output[0, :4] @ tables[0][3]]
     assert not np.isclose(want_psw[0] / (1 / 3 if pooling == PoolingMode.MEAN else 1.0), unclipped_psw[0])
+
+
+def unique_rows(layout, indices, offsets, bags):
+    """The (table, row) pairs that the positions of ``bags`` read."""
+    batch_size = (len(offsets) - 1) // layout.num_features
+    return {(layout.feature_table_map[k // batch_size], int(indices[p]))
+            for k in bags for p in range(offsets[k], offsets[k + 1])}
+
+
+def row_slices(layout, rows):
+    return [slice(layout.table_offsets[t] + r * layout.dims[t],
+                  layout.table_offsets[t] + (r + 1) * layout.dims[t]) for t, r in rows]
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_a_row_whose_update_is_not_finite_keeps_its_values(platform, name):
+    """NaN in some bags' gradient: the rows they read keep weights and state (clipping
+    keeps a NaN), counted; every other row is updated as the reference does."""
+    config = CONFIGS[name]
+    rng = np.random.default_rng(11)
+    w0, s0 = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, True, jnp.float32)
+    grad_output, indices, offsets, psw = random_step_batch(rng, LAYOUT, PoolingMode.SUM, True)
+    batch_size = grad_output.shape[0]
+    bad_samples = [1]  # of the batch of 4
+    grad_output[bad_samples, :] = np.nan  # every feature's bag of these samples
+    bad_bags = [f * batch_size + b for f in range(LAYOUT.num_features) for b in bad_samples
+                if offsets[f * batch_size + b + 1] > offsets[f * batch_size + b]]
+    kept = unique_rows(LAYOUT, indices, offsets, bad_bags)
+    updated = unique_rows(LAYOUT, indices, offsets, range(len(offsets) - 1)) - kept
+    assert kept and updated
+
+    batch = (grad_output, indices, offsets, psw)
+    wk, sk, _, nk = _step(config, LAYOUT, PoolingMode.SUM, True, "kernel")(w0, s0, *batch)
+    wr, sr, _, nr = _step(config, LAYOUT, PoolingMode.SUM, True, "reference")(w0, s0, *batch)
+    assert int(nk) == int(nr) == len(kept)
+    for w in (wk, wr):
+        assert np.isfinite(np.asarray(w)).all()
+        for s in row_slices(LAYOUT, kept):
+            np.testing.assert_array_equal(np.asarray(w)[s], np.asarray(w0)[s])
+    np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
+    for field in config.state_type._fields[1:]:
+        np.testing.assert_array_equal(np.isfinite(getattr(sk, field)), True)
+        np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=1e-5, atol=1e-6)
+    moved = [np.abs(np.asarray(wr)[s] - np.asarray(w0)[s]).max() for s in row_slices(LAYOUT, updated)]
+    assert max(moved) > 1e-3
+
+
+@pytest.mark.parametrize("weight_dtype, kept", [(jnp.float16, True), (jnp.bfloat16, False)])
+def test_an_update_past_the_weight_dtypes_range_is_kept(platform, weight_dtype, kept):
+    """1e5 is finite in float32 and bfloat16 but not in float16 (max 65504): the check sees
+    the value as stored."""
+    layout = TableLayout(rows=(5,), dims=(4,), feature_table_map=(0,))
+    config = optim.SGD(learning_rate=1.0)
+    w0 = jnp.asarray(np.random.default_rng(2).uniform(-1, 1, 20), weight_dtype)
+    indices, offsets = np.array([1, 3], np.int32), np.array([0, 1, 2], np.int32)
+    grad_output = np.array([[1e5, 1, 1, 1], [1, 2, 3, 4]], np.float32)
+    s0 = optim.init_state(config, layout)
+    for backend in ("kernel", "reference"):
+        w, _, _, count = _step(config, layout, PoolingMode.SUM, False, backend)(
+            w0, s0, grad_output, indices, offsets, np.zeros(2, np.float32))
+        w = np.asarray(w, np.float32)
+        assert int(count) == int(kept), backend
+        assert np.isfinite(w).all(), backend
+        row1 = np.asarray(w0, np.float32)[4:8]
+        np.testing.assert_array_equal(w[4:8] == row1, [kept] * 4, err_msg=backend)
+        assert (w[12:16] != np.asarray(w0, np.float32)[12:16]).all(), backend  # row 3: updated

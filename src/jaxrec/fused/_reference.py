@@ -3,9 +3,12 @@
 The oracle of the fused CUDA/C++ kernels and their portable fallback. Only the rows
 named in the ``SparseRowGrad`` are read and written (each exactly once: duplicates
 were merged by ``embedding_bag_sparse_grad``); every other weight and state value
-stays bit-identical. ``step`` advances once per call, for all tables. As in FBGEMM the
-update is lazy: a row outside the batch keeps its moments (no decay) and gets no weight
-decay, where a dense optax step would touch every row::
+stays bit-identical. A row whose new weights or state would not all be finite, as
+stored (a NaN or Inf gradient, or an update that overflows), is not written: it keeps
+its values, as in the kernels (csrc/common/fused_optimizer.h, ``RowStaysFinite``).
+``step`` advances once per call, for all tables. As in FBGEMM the update is lazy: a row
+outside the batch keeps its moments (no decay) and gets no weight decay, where a dense
+optax step would touch every row::
 
     # sparse_grad: tables=[0, 1, 0, -1], rows=[3, 0, 1, 0], num_unique=3  (entry 3 is padding)
     # weights  [t0 r0 | t0 r1 | t0 r2 | t0 r3 | t1 r0 | t1 r1 | t1 r2]
@@ -47,6 +50,14 @@ def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad
       hparams: traced numbers, ``config.hyperparams()`` when None. Pass them as a ``jit``
         argument to change the learning rate without recompiling.
     """
+    weights, state, _ = update_reference(weights, state, sparse_grad, layout=layout,
+                                         config=config, hparams=hparams)
+    return weights, state
+
+
+def update_reference(weights, state, sparse_grad, *, layout, config, hparams=None):
+    """``fused_update_reference`` that also returns ``nonfinite_rows``, the int32 count of
+    rows kept because their update would not stay finite (the kernels' result)."""
     if not isinstance(layout, TableLayout):
         raise TypeError(f"layout must be a jaxrec.ops.TableLayout, got {type(layout).__name__}")
     if weights.ndim != 1 or weights.shape[0] != layout.num_weights:
@@ -102,14 +113,24 @@ def fused_update_reference(weights: jax.Array, state, sparse_grad: SparseRowGrad
     new_w, new_state = update_rows(config, hparams, weights[w_index], sparse_grad.grads[:, :max_dim],
                                    state_rows, dims=jnp.where(valid, dims, 0), keys=keys)
 
+    # What would be stored, and whether all of a row's values are finite.
+    stored = {"": (weights, new_w, w_index)}
+    stored.update({name: (getattr(state, name), getattr(new_state, name), idx)
+                   for name, idx in index.items()})
+    stays_finite = valid
+    for buf, values, idx in stored.values():
+        finite = jnp.isfinite(values.astype(buf.dtype))
+        if idx.ndim == 2:
+            finite = jnp.all(finite | ~in_row, axis=1)
+        stays_finite = stays_finite & finite
+    nonfinite_rows = jnp.sum(valid & ~stays_finite, dtype=jnp.int32)
+
     # Entries that must not be written go to an out-of-range index and are dropped.
-    def scatter(buf, idx, values, keep):
+    def scatter(buf, values, idx):
+        keep = stays_finite if idx.ndim == 1 else in_row & stays_finite[:, None]
         idx = jnp.where(keep, idx, buf.shape[0])
         return buf.at[idx].set(values.astype(buf.dtype), mode="drop")
 
-    weights = scatter(weights, w_index, new_w, in_row)
-    buffers = {}
-    for name, idx in index.items():
-        keep = valid if idx.ndim == 1 else in_row
-        buffers[name] = scatter(getattr(state, name), idx, getattr(new_state, name), keep)
-    return weights, config.state_type(step=new_state.step, **buffers)
+    weights = scatter(*stored.pop(""))
+    buffers = {name: scatter(*args) for name, args in stored.items()}
+    return weights, config.state_type(step=new_state.step, **buffers), nonfinite_rows

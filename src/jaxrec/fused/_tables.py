@@ -181,12 +181,13 @@ def _lookup(spec: _Spec):
         gate = _step_guard.table_gate(spec.name, grad_output)
         if gate is not None:  # gated off: every bag empty, so the kernel touches no row
             offsets = jnp.where(gate, offsets, jnp.zeros_like(offsets))
-        weights, state, grad_psw = _fused_update(
+        weights, state, grad_psw, nonfinite_rows = _fused_update(
             tables.weights, tables.state, grad_output, indices, offsets, layout=spec.layout,
             config=spec.config, hparams=tables.hparams, pooling=spec.pooling,
             per_sample_weights=psw if spec.weighted else None,
             bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend,
             offsets_checked=spec.checked)  # the check ran in fused_lookup
+        _step_guard.report_nonfinite_rows(nonfinite_rows)
         # The updated tables take the place of the gradient; the int step has none (its
         # increment is applied by fused_value_and_grad), nor do the hyperparameters.
         updated = dataclasses.replace(

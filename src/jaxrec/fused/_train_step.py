@@ -110,7 +110,8 @@ class FunctionalTrainStep:
     Built by ``make_functional_train_step``. Beside the call: ``check()`` waits for the
     issued steps and raises what they found (a call raises it too once the device has
     finished the bad step, read every 16 calls: the host never waits for the device),
-    and ``stats()`` returns ``{"steps", "nonfinite_steps", "ids_corrected"}`` as host ints.
+    and ``stats()`` returns ``{"steps", "nonfinite_steps", "ids_corrected", "nonfinite_rows"}``
+    as host ints.
     """
 
     def __init__(self, jitted, messages: list, monitor: _step_guard.StepMonitor):

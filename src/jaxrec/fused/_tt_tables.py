@@ -280,8 +280,13 @@ def _fused(spec: TTSpec, config, name: str, cached: bool):
             counted = TTCacheState.of(tc.count_ids(updated.cache.to_cache(), ids, valid))
             updated = dataclasses.replace(updated, cache=dataclasses.replace(
                 counted, ids=_no_grad(tables.cache.ids)))
-        if gate is not None:  # a train step's guard gated the update off: keep every value
-            updated = _keep_unless(gate, updated, tables)
+        # As the kernels keep a row whose update would not stay finite, a TT table keeps its
+        # whole update (its cores are shared by every row); the step's guard is told.
+        # Counted only where the guard let the update through, as the kernels count.
+        stays_finite = _step_guard.all_finite(jax.tree.leaves(_trained(updated)))
+        kept = ~stays_finite if gate is None else gate & ~stays_finite
+        _step_guard.report_nonfinite_rows(kept.astype(jnp.int32))
+        updated = _keep_unless(stays_finite if gate is None else gate & stays_finite, updated, tables)
         # The updated tables take the place of the gradient; the int step has none
         # (after_fused_update increments it), nor do the hyperparameters.
         updated = dataclasses.replace(updated, step=_no_grad(tables.step),
@@ -314,15 +319,21 @@ def _train_cache(spec, config, tables, grad_output, psw, offsets, bag, hit, loca
                                cache_slots=slots), grad_psw
 
 
+def _trained(tables: TTEmbeddingTables) -> dict:
+    """The fields a fused update changes: cores, slots and the cache."""
+    fields = {"cores": tables.cores, "slots": tables.slots}
+    if tables.cache is not None:
+        fields.update(cache=tables.cache, cache_slots=tables.cache_slots)
+    return fields
+
+
 def _keep_unless(gate, updated: TTEmbeddingTables, old: TTEmbeddingTables) -> TTEmbeddingTables:
     """``updated``'s cores, slots and cache where ``gate``, else ``old``'s."""
     def pick(new, before):
         if getattr(new, "dtype", None) == jax.dtypes.float0:
             return new  # the cached ids: no gradient, populate alone moves them
         return jnp.where(gate, new, before)
-    fields = {"cores": updated.cores, "slots": updated.slots}
-    if updated.cache is not None:
-        fields.update(cache=updated.cache, cache_slots=updated.cache_slots)
+    fields = _trained(updated)
     kept = jax.tree.map(pick, fields, {k: getattr(old, k) for k in fields})
     return dataclasses.replace(updated, **kept)
 

@@ -27,6 +27,12 @@ state. Deterministic run to run. The reference is ``embedding_bag_sparse_grad`` 
 ``[-max_gradient, max_gradient]`` before the backward, so the rows' summed gradients
 and the per-sample weights' gradient both come from the clamped values.
 
+A row whose update would not be finite, as stored (a NaN or Inf in ``grad_output``, or
+a rate so large that the row or its state overflows), is not written: it keeps its
+weights and state. Inside a train step the guard counts such rows and treats the step
+as non-finite (``jaxrec._step_guard``, docs/reliability.md); the explicit form drops the
+count, so check ``grad_output`` yourself if you call it directly.
+
 Bad ids never reach another table: with ``bounds_check_mode="NONE"`` an id outside its
 feature's table is dropped (no row and no optimizer state is touched for it; its
 per-sample-weight gradient is 0) and the offsets are clamped (docs/bounds_check.md).
@@ -42,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec import _ffi
-from jaxrec.fused._reference import fused_update_reference, reference_fits
+from jaxrec.fused._reference import reference_fits, update_reference
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
 from jaxrec.ops.tbe_layout import (
     PoolingMode,
@@ -99,7 +105,7 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
     """
     if return_per_sample_weights_grad and per_sample_weights is None:
         raise ValueError("return_per_sample_weights_grad=True needs per_sample_weights")
-    weights, state, grad_psw = _fused_update(
+    weights, state, grad_psw, _ = _fused_update(
         weights, state, grad_output, indices, offsets, layout=layout, config=config,
         hparams=hparams, pooling=pooling, per_sample_weights=per_sample_weights,
         bounds_check_mode=bounds_check_mode, backend=backend)
@@ -109,7 +115,8 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
 def _fused_update(weights, state, grad_output, indices, offsets, *, layout, config, hparams,
                   pooling, per_sample_weights, bounds_check_mode, backend,
                   offsets_checked: bool = False):
-    """``fused_update`` that also returns the per-sample weights' gradient (or None).
+    """``fused_update`` that also returns the per-sample weights' gradient (or None) and the
+    int32 count of rows kept because their update would not stay finite.
 
     ``offsets_checked``: the caller ran ``bounds_check_indices`` (``fused_lookup``'s
     forward), so NONE here need not correct the offsets again."""
@@ -127,11 +134,11 @@ def _fused_update(weights, state, grad_output, indices, offsets, *, layout, conf
     cuda = _kernel if max(layout.dims) <= MAX_KERNEL_DIM else _reference
     if backend == "auto" and not reference_fits(layout, indices.shape[0]):
         backend = "kernel"  # the kernels index with int64 whatever jax_enable_x64 says
-    weights, state, grad_psw = _ffi.dispatch(
+    weights, state, grad_psw, nonfinite_rows = _ffi.dispatch(
         {"cpu": functools.partial(_kernel, op), "cuda": functools.partial(cuda, op)},
         functools.partial(_reference, op),
         weights, state, grad_output, indices, offsets, per_sample_weights, hparams, backend=backend)
-    return weights, state, (grad_psw if op.weighted else None)
+    return weights, state, (grad_psw if op.weighted else None), nonfinite_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,11 +163,12 @@ def _kernel(op: _Op, weights, state, grad_output, indices, offsets, per_sample_w
     aliases = {1: 0, **{9 + i: 1 + i for i in range(len(names))}}
     results = (jax.ShapeDtypeStruct(weights.shape, weights.dtype),
                *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
-               jax.ShapeDtypeStruct(per_sample_weights.shape, jnp.float32))
+               jax.ShapeDtypeStruct(per_sample_weights.shape, jnp.float32),
+               jax.ShapeDtypeStruct((), jnp.int32))
     call = jax.ffi.ffi_call("jaxrec_tbe_fused_update", results, vmap_method="sequential",
                             input_output_aliases=aliases)
     config = op.config
-    new_weights, state1, state2, grad_psw = call(
+    new_weights, state1, state2, grad_psw, nonfinite_rows = call(
         grad_output, weights, indices, offsets, per_sample_weights,
         jnp.asarray(op.layout.packed()), sorted_key, sorted_position, sorted_bag,
         buffers[0], buffers[1], jnp.stack(hparams), jnp.asarray(state.step, jnp.int32),
@@ -170,7 +178,7 @@ def _kernel(op: _Op, weights, state, grad_output, indices, offsets, per_sample_w
         seed=np.array(config.seed, np.uint32).view(np.int32)[()],  # the same 32 bits
         max_dim=np.int32(max(op.layout.dims)))
     new_buffers = dict(zip(names, (state1, state2)))
-    return new_weights, type(state)(step=state.step + 1, **new_buffers), grad_psw
+    return new_weights, type(state)(step=state.step + 1, **new_buffers), grad_psw, nonfinite_rows
 
 
 def _reference(op: _Op, weights, state, grad_output, indices, offsets, per_sample_weights, hparams):
@@ -180,9 +188,9 @@ def _reference(op: _Op, weights, state, grad_output, indices, offsets, per_sampl
     grad_psw = per_sample_weights
     if op.weighted:
         grad_psw = _per_sample_weight_grad(op, weights, grad_output, indices, offsets, psw)
-    weights, state = fused_update_reference(weights, state, sparse, layout=op.layout,
-                                            config=op.config, hparams=hparams)
-    return weights, state, grad_psw
+    weights, state, nonfinite_rows = update_reference(weights, state, sparse, layout=op.layout,
+                                                      config=op.config, hparams=hparams)
+    return weights, state, grad_psw, nonfinite_rows
 
 
 def _per_sample_weight_grad(op, weights, grad_output, indices, offsets, per_sample_weights):

@@ -64,7 +64,8 @@ class TrainStep:
     ``jaxrec.NonFiniteError`` or a FATAL bounds-check ``ValueError``, the step's update
     skipped); a call raises it too once the device has finished the bad step (read every
     16 calls), so the host never waits for the device. ``stats()``: host ints ``steps``,
-    ``nonfinite_steps`` and ``ids_corrected`` (WARNING bounds checks) so far.
+    ``nonfinite_steps``, ``ids_corrected`` (WARNING bounds checks) and ``nonfinite_rows``
+    (fused table rows kept because their update would not stay finite) so far.
     """
 
     def __init__(self, loss_fn, *, has_aux: bool, donate: bool, on_nonfinite: str):

@@ -166,7 +166,8 @@ class _Run:
             speed = self.config.batch_size * self.timed_steps / self.timed_s
             self.status["samples/s"] = f"{speed:,.0f}"
         stats = self.train_step.stats()
-        for key, name in (("nonfinite_steps", "skipped"), ("ids_corrected", "ids corrected")):
+        for key, name in (("nonfinite_steps", "skipped"), ("nonfinite_rows", "rows kept"),
+                          ("ids_corrected", "ids corrected")):
             if stats[key]:
                 self.status[name] = f"{stats[key]:,}"
 
@@ -190,8 +191,8 @@ class _Run:
                                       "history": self.history,
                                       "config": dataclasses.asdict(self.config)})
         except NonFiniteStateError as e:
-            # A finite step can still write non-finite rows: a fused table's update that
-            # overflows is not gated (jaxrec/_step_guard.py). The last step did it.
+            # No update writes a non-finite value (jaxrec/_step_guard.py), but a value set
+            # from outside the step can hold one; stopped as a non-finite step all the same.
             raise NonFiniteError(str(e), self.step - self.start - 1) from e
 
     # --- how it ends -----------------------------------------------------------------
