@@ -59,17 +59,18 @@ def criteo_config(path, **kw):
 # -- Criteo: a file too small for the held-out split and one training batch -----------------
 
 
-@pytest.mark.parametrize("rows", [1, 10, 31, 32])
+@pytest.mark.parametrize("rows", [1, 10, 63, 64])
 def test_criteo_too_small_for_held_out_and_training(tmp_path, rows):
     path = write_criteo(tmp_path / "day_0", rows, seed=rows)
-    with pytest.raises(ValueError, match=rf"day_0 holds {rows} rows; a run needs more than 32 "
-                                         r"\(--eval-batches 2 x --batch-size 16 held out for "
-                                         r"evaluation, then at least one row to train on\)"):
+    with pytest.raises(ValueError, match=rf"day_0 holds {rows} rows; a run needs more than 64 "
+                                         r"\(2 x --eval-batches 2 x --batch-size 16 held out for "
+                                         r"testing and validation, then at least one row to train "
+                                         r"on\)"):
         within_deadline(lambda: build_task(criteo_config(path)))
 
 
 def test_criteo_one_row_past_the_held_out_split_trains(tmp_path):
-    path = write_criteo(tmp_path / "day_0", 33, seed=1)
+    path = write_criteo(tmp_path / "day_0", 65, seed=1)
     task = build_task(criteo_config(path))
     batches = within_deadline(lambda: list(itertools.islice(task.train_batches(0), 3)))
     assert [int(np.asarray(b.mask).sum()) for b in batches] == [1, 1, 1]  # one row per pass
@@ -90,22 +91,23 @@ def test_criteo_nothing_to_read_is_an_error_naming_the_source(tmp_path, what):
 
 
 def test_criteo_file_shrunk_during_the_run_stops_the_stream(tmp_path):
-    path = write_criteo(tmp_path / "day_0", 40, seed=2)
+    path = write_criteo(tmp_path / "day_0", 80, seed=2)
     task = build_task(criteo_config(path))
-    write_criteo(path, 20, seed=2)  # now all of it is held out
+    write_criteo(path, 40, seed=2)  # now all of it is held out
     with pytest.raises(ValueError, match=r"day_0: pass 1 over the data gave no training batch"):
         within_deadline(lambda: list(itertools.islice(task.train_batches(0), 3)))
 
 
 @pytest.mark.parametrize("rows", [0, 10, 4000])
 def test_cli_criteo_small_files_end_with_a_message(tmp_path, capsys, rows):
-    """The issue's reproductions, through the command line (default batch 1024, 4 held out)."""
+    """The issue's reproductions, through the command line (default batch 1024, 2 x 4 held
+    out)."""
     path = write_criteo(tmp_path / "train.txt", rows, seed=3)
     code = within_deadline(lambda: main(["--data", f"criteo:{path}", "--out-dir",
                                          str(tmp_path / "out")]))
     err = capsys.readouterr().err
     assert code == 1 and str(path) in err
-    assert ("holds no rows" if rows == 0 else f"holds {rows} rows; a run needs more than 4096"
+    assert ("holds no rows" if rows == 0 else f"holds {rows} rows; a run needs more than 8192"
             ) in err
 
 
@@ -146,7 +148,8 @@ def test_movielens_max_rows_caps_the_tables(tmp_path, max_rows):
     distinct = [task.info["num_users"], task.info["num_items"]]
     assert distinct[1] > 30  # the item ids need folding at max_rows 5 and 30
     assert table_rows(task) == [min(n, max_rows) for n in distinct]
-    for batch in itertools.chain(task.eval_batches, itertools.islice(task.train_batches(0), 4)):
+    for batch in itertools.chain(task.val_batches, task.test_batches,
+                                 itertools.islice(task.train_batches(0), 4)):
         assert int(np.asarray(batch.sparse.values()).max()) < max_rows
 
 

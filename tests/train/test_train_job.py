@@ -30,7 +30,7 @@ def test_default_command_learns_and_writes_its_outputs(tmp_path, capsys):
     assert [e["step"] for e in record["history"]["eval"]] == [100, 200, 300]
     assert record["final"]["auc"] > 0.65, record["final"]
     assert record["train_samples_per_s"] > 0
-    assert "held-out auc" in capsys.readouterr().out
+    assert "test auc" in capsys.readouterr().out
 
 
 def model_state(config, directory, step):
@@ -110,8 +110,9 @@ def test_criteo_epochs_end_the_run(tmp_path):
     write_criteo(tmp_path / "day_0", 100)
     config = TrainConfig(data=f"criteo:{tmp_path}", **{**SMALL, "batch_size": 16}, steps=None,
                          epochs=2, out_dir=str(tmp_path / "out"))
-    # 100 rows = 7 batches (the last padded); 2 are held out -> 5 per epoch.
-    assert train(config)["steps"] == 10
+    # 100 rows = 7 batches (the last padded); 2 test and 2 validation batches are held out
+    # -> 3 per epoch.
+    assert train(config)["steps"] == 6
 
 
 @pytest.mark.parametrize("layout", ["u.data", "ratings.dat"])
@@ -128,7 +129,8 @@ def test_movielens_ratings_train(tmp_path, layout):
                          eval_every=1000, table_learning_rate=0.3,
                          out_dir=str(tmp_path / "out"))
     record = train(config)
-    assert config.model == "mf" and record["steps"] == 8 * (1080 // 64)
+    # 10% test, then 10% of the rest validation: 1200 - 120 - 108 ratings train.
+    assert config.model == "mf" and record["steps"] == 8 * (972 // 64)
     written = json.loads((tmp_path / "out" / "metrics.json").read_text())
     rmse = written["final"]["rmse"]
     assert rmse < float(np.std(rating)), rmse  # better than predicting the mean
@@ -150,7 +152,7 @@ def test_a_run_in_epochs_evaluates_at_every_epoch_end(tmp_path):
         f"{rng.integers(1, 20)}\t{rng.integers(1, 15)}\t{rng.integers(1, 6)}\t{k}\n" for k in range(300)))
     record = train(TrainConfig(data=f"movielens:{tmp_path / 'u.data'}", batch_size=32, epochs=3,
                                steps=None, out_dir=str(tmp_path / "out")))
-    per_epoch = 270 // 32  # 90% of the ratings train; the partial last batch is dropped
+    per_epoch = 243 // 32  # 81% of the ratings train; the partial last batch is dropped
     assert [e["step"] for e in record["history"]["eval"]] == [per_epoch, 2 * per_epoch, 3 * per_epoch]
 
 
@@ -189,7 +191,7 @@ def test_rating_predictions_stay_on_the_star_scale(tmp_path):
     task = build_task(TrainConfig(data=f"movielens:{tmp_path / 'u.data'}", batch_size=8, steps=1))
     for offset, want in ((100.0, 5.0), (-100.0, 0.5)):  # a model far off either end
         task.model.bias[...] = offset
-        got = np.concatenate([np.asarray(task.predict(task.model, b)) for b in task.eval_batches])
+        got = np.concatenate([np.asarray(task.predict(task.model, b)) for b in task.test_batches])
         assert (got == want).all(), (offset, got)
 
 

@@ -5,12 +5,18 @@
     jaxrec train --data movielens:ml-100k --model mf --epochs 20
     jaxrec train --checkpoint-dir ckpt --resume      continue the newest checkpoint
 
-At the end: ``out_dir/metrics.json`` (status, config, device, throughput, step stats, every
-evaluation) and ``out_dir/curves.png``, also when a run stops early (a NaN/Inf step: the
-last finite checkpoint is kept; ``--on-nonfinite skip`` skips such steps instead).
+Evaluations during training read a validation set (ratings: ``--val-fraction`` of the
+training ratings; click data: ``--eval-batches`` batches), the run stops after
+``--patience`` of them without a better metric, and the test set is evaluated once, at the
+end, with the best model (its checkpoint is never rotated out).
+
+At the end: ``out_dir/metrics.json`` (status, config, device, throughput, step stats, the
+validation curve, the best point, the test metrics of the best model) and
+``out_dir/curves.png``, also when a run stops on an error (a NaN/Inf step: the last finite
+checkpoint is kept; ``--on-nonfinite skip`` skips such steps instead).
 ``train(TrainConfig(...))`` does the same from Python (``TrainingStopped`` when it stops).
-A run locks its checkpoint directory; ``--resume`` applies new learning rates and refuses
-flags that change the model or the data.
+A run locks its checkpoint directory; ``--resume`` applies new learning rates, weight decay
+and patience, and refuses flags that change the model or the data.
 """
 
 from jaxrec.train._cli import main

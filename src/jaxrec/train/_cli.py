@@ -8,6 +8,8 @@ import sys
 from jaxrec.train._config import (
     DENSE_OPTIMIZERS,
     MODELS,
+    PATIENCE,
+    RATINGS_VAL_FRACTION,
     RATINGS_WEIGHT_DECAY,
     TABLE_OPTIMIZERS,
     TrainConfig,
@@ -41,8 +43,18 @@ def _parser() -> argparse.ArgumentParser:
                    help="TT-compress the tables of >= --tt-min-rows rows with these ranks")
     p.add_argument("--tt-min-rows", type=int, default=d.tt_min_rows)
     p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="steps between evaluations; default: every epoch with --epochs, else 250")
-    p.add_argument("--eval-batches", type=int, default=d.eval_batches)
+                   help="steps between evaluations; default: every epoch for movielens, else 250")
+    p.add_argument("--eval-batches", type=int, default=d.eval_batches,
+                   help="click data: batches of the validation set and of the test set, each "
+                        "(default: %(default)s)")
+    p.add_argument("--val-fraction", type=float,
+                   help=f"ratings only: share of the training ratings held out (by --seed) for "
+                        f"validation, which the evaluations during training and early stopping "
+                        f"read; 0: none (default {RATINGS_VAL_FRACTION})")
+    p.add_argument("--patience", type=int,
+                   help=f"stop after this many evaluations without a better validation metric; "
+                        f"0: never stop early. The test set is evaluated once, at the end, with "
+                        f"the best model (default {PATIENCE}; 0 with --val-fraction 0)")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, help="default: at each evaluation")
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint")
@@ -93,8 +105,15 @@ def main(argv: list[str] | None = None) -> int:
     extra = record["data"].get("teacher_auc")
     ceiling = f" (the synthetic log's teacher reaches AUC {extra:.4f})" if extra else ""
     speed = record["train_samples_per_s"]
-    print(f"{config.model} on {config.data}: {record['steps']} steps, held-out {final}{ceiling}"
-          + (f"; {speed:,.0f} samples/s on {record['device']}" if speed else ""))
+    test = record["test"]
+    which = (f"the best validation model, step {test['step']}" if test["model"] == "best"
+             else "the last model; no validation set")
+    print(f"{config.model} on {config.data}: {record['steps']} steps, test {final} ({which})"
+          f"{ceiling}" + (f"; {speed:,.0f} samples/s on {record['device']}" if speed else ""))
+    if record["early_stop"]:
+        stop = record["early_stop"]
+        print(f"stopped early at step {stop['step']}: {stop['patience']} evaluations without a "
+              f"better validation metric than step {stop['best_step']}'s (--patience)")
     skipped = (record["step_stats"] or {}).get("nonfinite_steps")
     if skipped:
         print(f"skipped {skipped} non-finite steps (--on-nonfinite skip)")

@@ -26,11 +26,16 @@ TABLE_OPTIMIZERS = {
 }
 # What a resumed run may not change: the model's structure, or which data it trains on
 # next (eval_batches too: Criteo's first eval_batches batches are held out, not trained).
+# val_fraction too: it moves ratings between the training and the validation set.
 RESUME_MUST_MATCH = ("data", "model", "seed", "table_optimizer", "dense_optimizer", "batch_size",
-                     "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows", "eval_batches")
-# Applied to the restored state (the rates), or read by the loss each step (weight_decay).
-RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate", "weight_decay")
+                     "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows", "eval_batches",
+                     "val_fraction")
+# Applied to the restored state (the rates), read by the loss each step (weight_decay), or
+# by the loop at each evaluation (patience: the count restarts from the restored curve).
+RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate", "weight_decay", "patience")
 RATINGS_WEIGHT_DECAY = 0.1  # measured: benchmarks/movielens_defaults.py, docs/nn.md
+RATINGS_VAL_FRACTION = 0.1  # of the training ratings
+PATIENCE = 10  # measured: benchmarks/movielens_defaults.py, docs/nn.md
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,10 +70,20 @@ class TrainConfig:
     fused Adagrad (SGD when table_optimizer is sgd; plain optax when it is plain)."""
     tt_min_rows: int = 10_000
     eval_every: int | None = None
-    """Steps between held-out evaluations; None: at the end of every epoch when the run is
-    counted in epochs, else every 250 steps."""
+    """Steps between evaluations (on the validation set); None: at the end of every pass
+    over the training ratings (movielens), else every 250 steps (click data)."""
     eval_batches: int = 4
-    """Batches of held-out data per evaluation (all of the test split for movielens)."""
+    """Click data: batches of the validation set and of the test set (each); ratings use
+    all of both sets."""
+    val_fraction: float | None = None
+    """Ratings only (default 0.1): the share of the training ratings held out, by seed, as
+    the validation set that the evaluations during training and early stopping read; 0:
+    none (the evaluations read the test set, and there is no early stopping). Click data
+    always holds out ``eval_batches`` validation batches; refused there."""
+    patience: int | None = None
+    """Evaluations without a better validation metric before the run stops (default 10,
+    or 0 without a validation set); 0: never stop early. The test set is evaluated once, at
+    the end, with the model of the best validation evaluation."""
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     """Steps between checkpoints; default: at each evaluation."""
@@ -127,6 +142,27 @@ class TrainConfig:
             object.__setattr__(self, "weight_decay", RATINGS_WEIGHT_DECAY)
         if self.weight_decay is not None and not 0 <= self.weight_decay < float("inf"):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
+        if self.val_fraction is not None and kind != "movielens":
+            raise ValueError(f"val_fraction applies to ratings (movielens data); click data holds "
+                             f"out --eval-batches batches for validation instead, so "
+                             f"{self.val_fraction} would do nothing. Drop --val-fraction")
+        if self.val_fraction is None and kind == "movielens":
+            object.__setattr__(self, "val_fraction", RATINGS_VAL_FRACTION)
+        if self.val_fraction is not None and not (
+                isinstance(self.val_fraction, (int, float)) and 0 <= self.val_fraction < 1):
+            raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}: "
+                             "pass e.g. --val-fraction 0.1 (a tenth of the training ratings), or "
+                             "0 for no validation set")
+        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(
+                self.patience, int) or self.patience < 0):
+            raise ValueError(f"patience must be an int >= 0, got {self.patience!r}: pass the "
+                             "number of evaluations without improvement before the run stops "
+                             "(e.g. --patience 3), or 0 to never stop early")
+        if self.patience and not self.has_validation:
+            raise ValueError(f"patience {self.patience} needs a validation set, and val_fraction "
+                             "is 0: pass --val-fraction > 0 (e.g. 0.1), or --patience 0")
+        if self.patience is None:
+            object.__setattr__(self, "patience", PATIENCE if self.has_validation else 0)
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {tuple(NONFINITE_POLICIES)}, got "
                              f"{self.on_nonfinite!r}")
@@ -150,6 +186,11 @@ class TrainConfig:
                     old = "(not recorded)" if old is missing else _show(old)
                     out.append(f"{flag(name)} {old} -> {_show(mine[name])}")
         return refused, applied
+
+    @property
+    def has_validation(self) -> bool:
+        """Whether evaluations during training read a validation set (else the test set)."""
+        return self.data_kind != "movielens" or self.val_fraction != 0
 
     @property
     def data_kind(self) -> str:

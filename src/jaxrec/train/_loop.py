@@ -1,8 +1,18 @@
 """The training loop of ``jaxrec train``: steps, evaluations, checkpoints, resume, outputs.
 
+Evaluations during training read the validation set (the test set when there is none:
+ratings with ``val_fraction=0``). With ``patience`` > 0 the run stops early once that many
+evaluations in a row have not beaten the best one. At the end the test set is evaluated
+once, with the model of the best validation evaluation: restored from its checkpoint,
+which the rotation of ``checkpoint_dir`` (the newest ``_KEEP``) never deletes, or, without
+a checkpoint directory, from a copy on the host taken at each new best. Without a
+validation set the test metric is that of the last model (choosing by the test set would
+make it a validation set).
+
 How a run ends (``status`` in metrics.json):
 
-- ``completed``: every step ran; the final state is evaluated and checkpointed.
+- ``completed``: every step ran, or early stopping ended the run (``early_stop`` in
+  metrics.json); the last state is evaluated and checkpointed, the best model tested.
 - ``nonfinite``: a step's loss or gradient was NaN/Inf under ``on_nonfinite="stop"``, or
   the held-out predictions were (under either policy). The step's update was skipped,
   nothing is saved after it, so the newest checkpoint holds the last finite state;
@@ -27,6 +37,7 @@ import itertools
 import json
 import math
 import platform
+import shutil
 import sys
 import time
 import warnings
@@ -53,12 +64,12 @@ from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves
 from jaxrec.train._progress import Progress
-from jaxrec.train._tasks import best_evaluation, build_task
+from jaxrec.train._tasks import best_evaluation, build_task, evaluations_since_best
 
 _DENSE = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd}
 _LOG_EVERY = 50  # steps between training-loss points (and progress lines off a terminal)
 _EVAL_EVERY = 250  # steps between evaluations of a run counted in steps (--eval-every)
-_KEEP = 3  # checkpoints kept in checkpoint_dir
+_KEEP = 3  # newest checkpoints kept in checkpoint_dir (the best one is kept besides)
 
 
 class TrainingStopped(RuntimeError):
@@ -94,6 +105,10 @@ class _Run:
         self.history: dict = {"train": [], "eval": []}
         self.step = 0
         self.resumed: dict | None = None
+        self.validates = self.task.val_batches is not None
+        self.best_state = None  # the best model's state on the host, without checkpoint_dir
+        self.early_stop: dict | None = None
+        self.test: dict = {}
         if config.resume:
             self._resume()
         self.start = self.step
@@ -105,7 +120,7 @@ class _Run:
                                  if self.task.steps_per_epoch else None)
         self.total = total
         self.progress = Progress(total, every=_LOG_EVERY)
-        self.status = {"loss": "-", **_last_eval(self.history)}
+        self.status = {"loss": "-", **self._last_eval()}
 
     def run(self) -> dict:
         try:
@@ -113,8 +128,9 @@ class _Run:
             self.train_step.check()  # what the issued steps found
             if not self.history["eval"] or self.history["eval"][-1]["step"] != self.step:
                 self._evaluate()
-            if self.config.checkpoint_dir and latest_step(self.config.checkpoint_dir) != self.step:
+            if self.config.checkpoint_dir:
                 self._save()
+            self._test()
         except NonFiniteError as e:
             self._stop("nonfinite", self._nonfinite_message(e), e)
         except KeyboardInterrupt:
@@ -129,10 +145,12 @@ class _Run:
 
     def _loop(self) -> None:
         config, total, per_epoch = self.config, self.total, self.task.steps_per_epoch
-        eval_every = config.eval_every or (per_epoch if config.epochs and per_epoch else _EVAL_EVERY)
+        eval_every = config.eval_every or per_epoch or _EVAL_EVERY  # per_epoch: ratings
         checkpoint_every = config.checkpoint_every or eval_every
         losses = []
         tick = time.perf_counter()
+        if self._patience_ran_out():  # a resumed run that had stopped early, same patience
+            return
         batches = self.task.train_batches(self.step)
         if total is not None:
             batches = itertools.islice(batches, max(total - self.step, 0))
@@ -154,6 +172,18 @@ class _Run:
                     self._save()
                     tick = time.perf_counter()
                 self.progress.update(step, self.status)
+                if step % eval_every == 0 and step != total and self._patience_ran_out():
+                    break
+
+    def _patience_ran_out(self) -> bool:
+        """Whether early stopping ends the run now; records why in ``early_stop``."""
+        patience, evals = self.config.patience, self.history["eval"]
+        since = evaluations_since_best(self.task.info["task"], evals)
+        if not (patience and self.validates and evals and since >= patience):
+            return False
+        best = best_evaluation(self.task.info["task"], evals)
+        self.early_stop = {"step": self.step, "patience": patience, "best_step": best["step"]}
+        return True
 
     def _log(self, losses: list, seconds: float) -> None:
         loss = _mean_finite(losses)  # waits for the device
@@ -172,21 +202,69 @@ class _Run:
                 self.status[name] = f"{stats[key]:,}"
 
     def _evaluate(self) -> None:
+        """Evaluates on the validation set (else the test set) and keeps a new best model."""
+        task = self.task
+        result = self._metrics(task.val_batches if self.validates else task.test_batches)
+        point = {"step": self.step, **result}
+        if task.steps_per_epoch:
+            point["epoch"] = round(self.step / task.steps_per_epoch, 4)
+        self.history["eval"].append(point)
+        self.status.update(self._last_eval())
+        if self.validates and best_evaluation(task.info["task"], self.history["eval"]) is point:
+            if self.config.checkpoint_dir:
+                self._save()  # kept by the rotation while it is the best
+            else:
+                self.best_state = jax.device_get(nnx.state(self.model))
+
+    def _metrics(self, batches) -> dict[str, float]:
         self.train_step.check()  # a step's own finding first: it is the cause
         try:
-            result = self.task.evaluate(self.predict)
+            return self.task.evaluate(self.predict, batches)
         except FloatingPointError as e:  # non-finite predictions: stopped as a non-finite step
             raise NonFiniteError(f"evaluation: {e}", self.step - self.start - 1) from e
-        self.history["eval"].append({"step": self.step, **result})
-        self.status.update(_last_eval(self.history))
+
+    def _test(self) -> None:
+        """The test metrics of the best model (``self.test``); the model is left as the best."""
+        best = best_evaluation(self.task.info["task"], self.history["eval"])
+        if not self.validates:  # the last evaluation read the test set, at this step
+            self.test = {**self.history["eval"][-1], "model": "last"}
+            return
+        if best["step"] != self.step:
+            self._restore_best(best["step"])
+        result = self._metrics(self.task.test_batches)
+        self.test = {**{k: v for k, v in best.items() if k in ("step", "epoch")},
+                     "model": "best", **result}
+        if self.config.checkpoint_dir:
+            self.test["checkpoint"] = str(Path(self.config.checkpoint_dir).absolute()
+                                          / str(best["step"]))
+
+    def _restore_best(self, step: int) -> None:
+        if self.best_state is not None:
+            nnx.update(self.model, self.best_state)
+            return
+        # With a checkpoint directory (no copy on the host is taken, and a resumed run has
+        # none of its first part's bests).
+        directory = self.config.checkpoint_dir
+        if step not in all_steps(directory):
+            raise FileNotFoundError(
+                f"the checkpoint of the best validation evaluation, step {step}, is not in "
+                f"{directory} (deleted, or set aside as corrupt), so the best model cannot be "
+                f"tested; the newest checkpoint, step {latest_step(directory)}, is the last "
+                "model")
+        state, _ = restore_checkpoint(directory, _state(self.model, self.optimizer), step=step)
+        nnx.update(self.model, state["model"])
 
     def _save(self) -> None:
+        """Checkpoints this step (once), then deletes all but the newest ``_KEEP`` and the
+        best evaluation's checkpoint."""
+        directory = self.config.checkpoint_dir
+        if latest_step(directory) == self.step:
+            return
         self.train_step.check()  # never save after a non-finite step (or a FATAL bounds check)
         # One batch per step, so the data position is the step; both are saved, so that a
         # future loader with other batch accounting can still find its place.
         try:
-            save_checkpoint(self.config.checkpoint_dir, self.step,
-                            _state(self.model, self.optimizer), keep=_KEEP,
+            save_checkpoint(directory, self.step, _state(self.model, self.optimizer),
                             metadata={"step": self.step, "data_position": self.step,
                                       "history": self.history,
                                       "config": dataclasses.asdict(self.config)})
@@ -194,6 +272,14 @@ class _Run:
             # No update writes a non-finite value (jaxrec/_step_guard.py), but a value set
             # from outside the step can hold one; stopped as a non-finite step all the same.
             raise NonFiniteError(str(e), self.step - self.start - 1) from e
+        best = (best_evaluation(self.task.info["task"], self.history["eval"]) if self.validates
+                else {})
+        for old in all_steps(directory)[:-_KEEP]:
+            if old != best.get("step"):
+                shutil.rmtree(Path(directory) / str(old))
+
+    def _last_eval(self) -> dict[str, str]:
+        return _last_eval(self.history, "val " if self.validates else "test ")
 
     # --- how it ends -----------------------------------------------------------------
 
@@ -227,7 +313,7 @@ class _Run:
 
     def _write(self, status: str, message: str | None) -> dict:
         """Writes metrics.json and curves.png; returns the record."""
-        self.progress.update(self.step, {**self.status, **_last_eval(self.history)}, force=True)
+        self.progress.update(self.step, {**self.status, **self._last_eval()}, force=True)
         self.progress.close()
         config, timed_s = self.config, self.timed_s
         record = {
@@ -244,16 +330,19 @@ class _Run:
             "resumed": self.resumed,
             "train_samples_per_s": config.batch_size * self.timed_steps / timed_s if timed_s
             else None,
-            "final": ({k: v for k, v in self.history["eval"][-1].items() if k != "step"}
-                      if self.history["eval"] else {}),
+            "eval_set": "validation" if self.validates else "test",
             "best": best_evaluation(self.task.info["task"], self.history["eval"]),
+            "early_stop": self.early_stop,
+            "test": self.test,
+            "final": {k: v for k, v in self.test.items()
+                      if k not in ("step", "epoch", "model", "checkpoint")},
             "history": self.history,
         }
         out = Path(config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(_finite(record), indent=2) + "\n")
         plot_curves(self.history, out / "curves.png", f"{config.model} on {config.data}",
-                    record["best"])
+                    record["best"], record["eval_set"], self.test)
         return record
 
     # --- resume ----------------------------------------------------------------------
@@ -369,8 +458,8 @@ def _finite(value):
     return value
 
 
-def _last_eval(history: dict) -> dict[str, str]:
+def _last_eval(history: dict, prefix: str) -> dict[str, str]:
     if not history["eval"]:
         return {}
-    return {k.upper() if k == "auc" else k: f"{v:.4f}"
-            for k, v in history["eval"][-1].items() if k != "step" and v is not None}
+    return {prefix + (k.upper() if k == "auc" else k): f"{v:.4f}"
+            for k, v in history["eval"][-1].items() if k not in ("step", "epoch") and v is not None}

@@ -1,5 +1,13 @@
-"""What a run trains: the data (train stream from any position, held-out batches), the model
-and its loss, for click data (DLRM, DLRM_DCN) and ratings (matrix factorisation, two towers)."""
+"""What a run trains: the data (train stream from any position, validation and test batches),
+the model and its loss, for click data (DLRM, DLRM_DCN) and ratings (matrix factorisation,
+two towers).
+
+The three sets are disjoint. Ratings: the test split (ML-100K's ``u1.test``, or a seeded
+10% of a ratings file), then ``val_fraction`` of the remaining ratings, drawn by seed
+(``ratings_splits``). Click data: ``eval_batches`` test batches, then as many validation
+batches (synthetic: batches from far-off positions; Criteo: the first batches of the
+stream, which training skips).
+"""
 
 from __future__ import annotations
 
@@ -19,7 +27,8 @@ from jaxrec.models import DLRM, DLRM_DCN, TwoTower
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig
 from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
 
-_EVAL_START = 1_000_000_000  # synthetic batches from here on are never trained on
+_TEST_START = 1_000_000_000  # synthetic batches from here on are never trained on
+_VAL_START = 2_000_000_000
 
 
 @dataclasses.dataclass
@@ -28,13 +37,15 @@ class Task:
     loss_fn: Callable  # (model, batch) -> scalar
     predict: Callable  # (model, batch) -> [B] probabilities or ratings
     train_batches: Callable[[int], Iterator[data.Batch]]  # from a position (batches consumed)
-    eval_batches: list[data.Batch]
+    val_batches: list[data.Batch] | None  # None: no validation set (ratings, val_fraction 0)
+    test_batches: list[data.Batch]
     steps_per_epoch: int | None
     info: dict
 
-    def evaluate(self, predict) -> dict[str, float]:
+    def evaluate(self, predict, batches: list[data.Batch]) -> dict[str, float]:
+        """The task's metrics of ``predict`` on ``batches`` (the masked rows only)."""
         labels, scores, masks = [], [], []
-        for batch in self.eval_batches:
+        for batch in batches:
             scores.append(np.asarray(predict(self.model, batch)))
             labels.append(np.asarray(batch.labels))
             masks.append(np.asarray(batch.mask))
@@ -61,6 +72,13 @@ def best_evaluation(task: str, evaluations: list[dict]) -> dict:
         return {}
     best = pick(e[name] for e in scored)
     return next(e for e in scored if e[name] == best)
+
+
+def evaluations_since_best(task: str, evaluations: list[dict]) -> int:
+    """How many evaluations came after the best one (all of them before any is scored):
+    early stopping's count, read from the curve so that a resumed run continues it."""
+    best = best_evaluation(task, evaluations)
+    return sum(1 for e in evaluations if not best or e["step"] > best["step"])
 
 
 def build_task(config: TrainConfig) -> Task:
@@ -135,7 +153,8 @@ def _ctr_task(config: TrainConfig) -> Task:
         def train_batches(position):
             return log.batches(config.batch_size, None, start=position)
 
-        held_out = list(log.batches(config.batch_size, config.eval_batches, start=_EVAL_START))
+        test = list(log.batches(config.batch_size, config.eval_batches, start=_TEST_START))
+        val = list(log.batches(config.batch_size, config.eval_batches, start=_VAL_START))
         steps_per_epoch = None
     else:
         paths = _criteo_files(Path(config.data_path))
@@ -143,11 +162,11 @@ def _ctr_task(config: TrainConfig) -> Task:
         reader = data.CriteoReader(paths, batch_size=config.batch_size,
                                    num_embeddings_per_feature=list(sizes))
         keys, num_dense = reader.keys, len(data.CRITEO_DENSE_KEYS)
-        held_out = _held_out_criteo(reader, config)
+        test, val = _held_out_criteo(reader, config)
         steps_per_epoch = None
 
         def one_pass(_):  # each pass skips the held-out batches
-            return itertools.islice(iter(reader), config.eval_batches, None)
+            return itertools.islice(iter(reader), 2 * config.eval_batches, None)
 
         def train_batches(position):
             return itertools.islice(_passes(config, one_pass, config.data_path), position, None)
@@ -168,7 +187,7 @@ def _ctr_task(config: TrainConfig) -> Task:
         return jax.nn.sigmoid(model(batch.dense, batch.sparse)[:, 0])
 
     info.update(keys=list(keys), table_sizes=list(sizes), table_memory=table_memory(ebc))
-    return Task(model, loss_fn, predict, train_batches, held_out, steps_per_epoch, info)
+    return Task(model, loss_fn, predict, train_batches, val, test, steps_per_epoch, info)
 
 
 def _criteo_files(path: Path) -> list[Path]:
@@ -182,28 +201,39 @@ def _criteo_files(path: Path) -> list[Path]:
     return paths
 
 
-def _held_out_criteo(reader: data.CriteoReader, config: TrainConfig) -> list[data.Batch]:
-    """The first ``eval_batches`` batches of the stream, held out (training reads the rest,
-    so this works without knowing the stream's length). A file too small to leave at least
-    one training row is an error saying how many rows it has and needs."""
+def _held_out_criteo(reader: data.CriteoReader,
+                     config: TrainConfig) -> tuple[list[data.Batch], list[data.Batch]]:
+    """``(test, validation)``: the first ``eval_batches`` batches of the stream, then the
+    next ``eval_batches``, held out (training reads the rest, so this works without knowing
+    the stream's length). A file too small to leave at least one training row is an error
+    saying how many rows it has and needs."""
     stream = iter(reader)
     try:
-        held_out = list(itertools.islice(stream, config.eval_batches))
+        held_out = list(itertools.islice(stream, 2 * config.eval_batches))
         trains = next(stream, None) is not None  # one batch more than held out
     finally:
         stream.close()
     if not trains:
         rows = sum(int(np.asarray(b.mask).sum()) for b in held_out)
-        needed = config.eval_batches * config.batch_size
+        needed = 2 * config.eval_batches * config.batch_size
         raise ValueError(
             f"criteo:{config.data_path} holds {rows} rows; a run needs more than {needed} "
-            f"(--eval-batches {config.eval_batches} x --batch-size {config.batch_size} held out "
-            "for evaluation, then at least one row to train on): pass a smaller --batch-size "
-            "or --eval-batches, or more data")
-    return held_out
+            f"(2 x --eval-batches {config.eval_batches} x --batch-size {config.batch_size} held "
+            "out for testing and validation, then at least one row to train on): pass a "
+            "smaller --batch-size or --eval-batches, or more data")
+    return held_out[:config.eval_batches], held_out[config.eval_batches:]
 
 
-def _ratings_task(config: TrainConfig) -> Task:
+def ratings_splits(config: TrainConfig) -> tuple[data.MovieLensRatings, data.MovieLensRatings
+                                                  | None, data.MovieLensRatings]:
+    """``(train, validation, test)`` of a ``movielens:PATH`` run, disjoint, together every
+    rating once; validation is None when ``val_fraction`` is 0.
+
+    The test split does not depend on ``val_fraction``: ML-100K's ``u1.test``, or, for a
+    ratings file, a permutation by ``seed`` whose last 10% are the test split. Validation is
+    ``val_fraction`` of the rest (rounded, at least one rating), drawn by a second
+    permutation by ``seed``; every part keeps file order.
+    """
     path = Path(config.data_path)
     if path.is_dir():
         train_path, test_path = data.movielens_100k_split(path, "u1")
@@ -215,15 +245,35 @@ def _ratings_task(config: TrainConfig) -> Task:
                              "(90% train, 10% test)")
         order = np.random.default_rng(config.seed).permutation(len(ratings))
         cut = len(ratings) - max(len(ratings) // 10, 1)
-        train, test = (data.MovieLensRatings(*(f[idx] for f in ratings))
-                       for idx in (order[:cut], order[cut:]))
-    # Dense rows from the raw ids of both splits (a user keeps one row in each), at most
+        train, test = (_take(ratings, idx) for idx in (order[:cut], order[cut:]))
+    if not config.val_fraction:
+        return train, None, test
+    n = len(train)
+    size = max(round(config.val_fraction * n), 1)
+    if size >= n:
+        raise ValueError(f"{path}: --val-fraction {config.val_fraction} of its {n} training "
+                         "ratings leaves none to train on; pass a smaller --val-fraction, or 0")
+    order = np.random.default_rng([config.seed, 1]).permutation(n)
+    return _take(train, order[size:]), _take(train, order[:size]), test
+
+
+def _take(ratings: data.MovieLensRatings, rows: np.ndarray) -> data.MovieLensRatings:
+    rows = np.sort(rows)  # file order
+    return data.MovieLensRatings(*(field[rows] for field in ratings))
+
+
+def _ratings_task(config: TrainConfig) -> Task:
+    path = Path(config.data_path)
+    train, val, test = ratings_splits(config)
+    # Dense rows from the raw ids of all splits (a user keeps one row in each), at most
     # --max-rows per table (indices beyond it fold, as Criteo's hashed ids do).
-    user_ids, item_ids = data.movielens_ids(train, test)
+    parts = [p for p in (train, val, test) if p is not None]
+    user_ids, item_ids = data.movielens_ids(*parts)
     common = dict(batch_size=config.batch_size, user_ids=user_ids, item_ids=item_ids,
                   max_rows=config.max_rows)
     reader = data.MovieLensReader(train, shuffle_seed=config.seed, last_batch="drop", **common)
-    held_out = list(data.MovieLensReader(test, **common))
+    test_batches = list(data.MovieLensReader(test, **common))
+    val_batches = None if val is None else list(data.MovieLensReader(val, **common))
     keys, sizes = data.MOVIELENS_KEYS, (reader.num_users, reader.num_items)
     biased = config.model == "mf"  # biased MF: a bias column beside the factors
     ebc = _collection(config, keys, sizes, extra_columns=int(biased))
@@ -247,5 +297,7 @@ def _ratings_task(config: TrainConfig) -> Task:
         return jnp.clip(model(batch.sparse), *data.MOVIELENS_RATING_RANGE)
 
     info = {"task": "ratings", "num_users": len(user_ids), "num_items": len(item_ids),
-            "table_sizes": list(sizes), "train_ratings": len(train), "test_ratings": len(test)}
-    return Task(model, loss_fn, predict, train_batches, held_out, len(reader), info)
+            "table_sizes": list(sizes), "train_ratings": len(train),
+            "val_ratings": 0 if val is None else len(val), "test_ratings": len(test)}
+    return Task(model, loss_fn, predict, train_batches, val_batches, test_batches, len(reader),
+                info)
