@@ -188,26 +188,38 @@ JAXREC_HOST_DEVICE void UpdateRow(Row& row, const RowUpdateArgs& a, float& s1_ro
 // written: it keeps its old values, and the handler counts it (the `nonfinite_rows`
 // result; a train step's guard then reports the step as non-finite: jaxrec/_step_guard.py).
 // A NaN or Inf gradient and an overflowing update (lr x a finite gradient, or a value past
-// float16's range) are caught alike. The caller rounds the values to their storage dtype
-// first, so the check sees what would be stored. Bits, not isfinite: fast-math may fold that.
+// float16's range) are caught alike.
 
-JAXREC_HOST_DEVICE bool IsFiniteBits(float x) {
-  uint32_t bits;
-  memcpy(&bits, &x, sizeof(bits));
-  return (bits & 0x7f800000u) != 0x7f800000u;
+// Below this magnitude a float32 rounds (to nearest even) to a finite value of `dtype`:
+// float16's max 65504 plus half a unit, bfloat16's likewise (0x7f7f8000), float32's inf.
+// NaN compares false. One compare per value, instead of rounding each value to check it.
+inline float FiniteLimit(ffi::DataType dtype) {
+  switch (dtype) {
+    case ffi::DataType::F16:
+      return 65520.f;
+    case ffi::DataType::BF16:
+      return 3.3961775e38f;
+    default:
+      return HUGE_VALF;
+  }
 }
 
-// Whether every value of `row` (and the per-row states) that UpdateRow set is finite; for a
-// CUDA warp, across all its lanes (row.All).
+struct FiniteLimits {
+  float w, s1, s2;  // FiniteLimit of the weights' and the two states' dtypes
+};
+
+// Whether every value of `row` (and the per-row states) that UpdateRow set stays finite
+// as stored; for a CUDA warp, across all its lanes (row.All).
 template <OptimizerKind kKind, typename Row>
-JAXREC_HOST_DEVICE bool RowStaysFinite(const Row& row, float s1_row, float s2_row) {
+JAXREC_HOST_DEVICE bool RowStaysFinite(const Row& row, float s1_row, float s2_row,
+                                       const FiniteLimits& limit) {
   constexpr int kStates = NumStates(kKind);
-  bool ok = IsFiniteBits(s1_row) && IsFiniteBits(s2_row);  // 0 unless a per-row state
+  bool ok = fabsf(s1_row) < limit.s1 && fabsf(s2_row) < limit.s2;  // 0 unless a per-row state
   for (int i = 0; i < row.Size(); ++i) {
     if (!row.valid(i)) continue;
-    ok = ok && IsFiniteBits(row.w[i]);
-    if constexpr (kStates >= 1 && !State1PerRow(kKind)) ok = ok && IsFiniteBits(row.s1[i]);
-    if constexpr (kStates >= 2 && !State2PerRow(kKind)) ok = ok && IsFiniteBits(row.s2[i]);
+    ok &= fabsf(row.w[i]) < limit.w;
+    if constexpr (kStates >= 1 && !State1PerRow(kKind)) ok &= fabsf(row.s1[i]) < limit.s1;
+    if constexpr (kStates >= 2 && !State2PerRow(kKind)) ok &= fabsf(row.s2[i]) < limit.s2;
   }
   return row.All(ok);
 }

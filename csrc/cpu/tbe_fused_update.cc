@@ -112,19 +112,6 @@ JAXREC_ALWAYS_INLINE void StoreState(const StateBuffer& s, int64_t start, int64_
   }
 }
 
-// x as it would read back from a T: the values RowStaysFinite checks.
-template <typename T>
-JAXREC_ALWAYS_INLINE void RoundRow(float* __restrict x, int64_t n) {
-  if constexpr (!std::is_same_v<T, float>) {
-    for (int64_t i = 0; i < n; ++i) x[i] = ToFloat(FromFloat<T>(x[i]));
-  }
-}
-
-JAXREC_ALWAYS_INLINE void RoundState(const StateBuffer& s, int64_t n, float* x) {
-  if (s.dtype == ffi::DataType::BF16) RoundRow<BFloat16>(x, n);
-  if (s.dtype == ffi::DataType::F16) RoundRow<Half>(x, n);
-}
-
 JAXREC_ALWAYS_INLINE void PrefetchState(const StateBuffer& s, int64_t start, int64_t n) {
   if (s.data == nullptr) return;
   const int64_t width = s.dtype == ffi::DataType::F32 ? 4 : 2;
@@ -153,6 +140,7 @@ struct UpdateArgs {
   bool stochastic_rounding;
   uint32_t seed;
   uint32_t step;  // t = updates so far + 1
+  FiniteLimits limits;
 };
 
 // Updates the rows whose runs start in sorted entries [begin, end); returns how many were
@@ -255,10 +243,7 @@ JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, i
         }
       }
     }
-    RoundRow<W>(w, dim);
-    if constexpr (kState1) RoundState(a.state1, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
-    if constexpr (kState2) RoundState(a.state2, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
-    if (!RowStaysFinite<kKind>(row, s1_row, s2_row)) {  // the row keeps its old values
+    if (!RowStaysFinite<kKind>(row, s1_row, s2_row, a.limits)) {  // the row keeps its old values
       ++kept;
       i = j;
       continue;
@@ -416,7 +401,9 @@ ffi::Error TbeFusedUpdateCpu(
                         static_cast<WeightDecayMode>(weight_decay_mode)},
           stochastic_rounding != 0,
           static_cast<uint32_t>(seed),
-          static_cast<uint32_t>(t)};
+          static_cast<uint32_t>(t),
+          {FiniteLimit(weights.element_type()), FiniteLimit(state1.element_type()),
+           FiniteLimit(state2.element_type())}};
       return DispatchFloatType<Half, BFloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
         const int64_t kept = FusedUpdate<kKind, decltype(weight_zero), I>(pool, args);
         nonfinite_rows->typed_data<int32_t>()[0] =

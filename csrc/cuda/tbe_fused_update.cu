@@ -88,17 +88,6 @@ struct StateBuffer {
         return As<float>()[i];
     }
   }
-  // v as it would read back from this buffer (RowStaysFinite checks what is stored).
-  __device__ __forceinline__ float Round(float v) const {
-    switch (dtype) {
-      case ffi::DataType::BF16:
-        return ToFloat(FromFloat<__nv_bfloat16>(v));
-      case ffi::DataType::F16:
-        return ToFloat(FromFloat<__half>(v));
-      default:
-        return v;
-    }
-  }
   __device__ __forceinline__ void Store(int64_t i, float v) const {
     switch (dtype) {
       case ffi::DataType::BF16:
@@ -124,6 +113,7 @@ struct FusedArgs {
   float* partials;          // [ceil(N / kWindow), max_dim]: each window's head sum (step 1)
   int64_t partial_width;    // max_dim
   int32_t* nonfinite_rows;  // rows kept because their update would not stay finite
+  FiniteLimits limits;
 };
 
 // The row as one warp holds it: element i of lane `lane` is column 128 * (i / 4) + 4 * lane + i % 4.
@@ -305,20 +295,17 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   ua.weight_decay_mode = a.weight_decay_mode;
   UpdateRow<kKind>(row, ua, s1_row, s2_row);
 
-  // Round to the stored dtypes, then keep the row as it was if a value would not be finite.
+  // Stochastic rounding first, so that the check sees the values that would be stored;
+  // the row keeps its old values if one would not be finite.
+  if (a.stochastic_rounding) {
 #pragma unroll
-  for (int e = 0; e < row.Size(); ++e) {
-    if (a.stochastic_rounding && e % 4 == 0) {
-      const int64_t c = 128 * (e / 4) + 4 * row.lane;
-      Put4(row.w + e, RoundStochastic4<W>(Get4(row.w + e), a, static_cast<uint32_t>(new_step), key, c));
+    for (int k = 0; k < kChunks; ++k) {
+      const int64_t c = 128 * k + 4 * row.lane;
+      Put4(row.w + 4 * k,
+           RoundStochastic4<W>(Get4(row.w + 4 * k), a, static_cast<uint32_t>(new_step), key, c));
     }
-    row.w[e] = ToFloat(FromFloat<W>(row.w[e]));
-    if constexpr (kStates >= 1 && !kS1Row) row.s1[e] = a.state1.Round(row.s1[e]);
-    if constexpr (kStates >= 2 && !kS2Row) row.s2[e] = a.state2.Round(row.s2[e]);
   }
-  if constexpr (kS1Row) s1_row = a.state1.Round(s1_row);
-  if constexpr (kS2Row) s2_row = a.state2.Round(s2_row);
-  if (!RowStaysFinite<kKind>(row, s1_row, s2_row)) {
+  if (!RowStaysFinite<kKind>(row, s1_row, s2_row, a.limits)) {
     if (row.lane == 0) atomicAdd(a.nonfinite_rows, 1);
     return;
   }
@@ -416,6 +403,8 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   a.stochastic_rounding = stochastic_rounding != 0;
   a.seed = static_cast<uint32_t>(seed);
   a.nonfinite_rows = nonfinite_rows->typed_data<int32_t>();
+  a.limits = {FiniteLimit(weights.element_type()), FiniteLimit(state1.element_type()),
+              FiniteLimit(state2.element_type())};
   if (ffi::Error e = Check(cudaMemsetAsync(a.nonfinite_rows, 0, sizeof(int32_t), stream), "memset");
       e.failure()) {
     return e;

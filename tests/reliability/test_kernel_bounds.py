@@ -235,9 +235,9 @@ def test_fused_sgd_never_writes_another_table(backend, bad_id):
     indices, offsets, psw, g = one_bag_case(rng, [bad_id, 2], feature=1)  # f1 reads t1 (5 rows)
     config = optim.SGD(learning_rate=0.5)
     weights = flat(LAYOUT, tables)
-    new_w, _, gpsw = _fused_update(weights, optim.init_state(config, LAYOUT), g, indices, offsets,
-                                   layout=LAYOUT, config=config, hparams=None, pooling=PoolingMode.SUM,
-                                   per_sample_weights=psw, bounds_check_mode="NONE", backend=backend)
+    new_w, _, gpsw, _ = _fused_update(weights, optim.init_state(config, LAYOUT), g, indices, offsets,
+                                      layout=LAYOUT, config=config, hparams=None, pooling=PoolingMode.SUM,
+                                      per_sample_weights=psw, bounds_check_mode="NONE", backend=backend)
     _, grads, want_gpsw = model(LAYOUT, tables, indices, offsets, PoolingMode.SUM, psw, g)
     got = split(LAYOUT, new_w)
     for t in range(LAYOUT.num_tables):
@@ -273,9 +273,9 @@ def test_low_precision_per_sample_weights_are_accepted(backend, dtype):
         weights, indices, offsets, layout=LAYOUT, per_sample_weights=p, backend=backend)))(low)
     assert grad.dtype == dtype
     config = optim.SGD()
-    _, _, gpsw = _fused_update(weights, optim.init_state(config, LAYOUT), g, indices, offsets,
-                               layout=LAYOUT, config=config, hparams=None, pooling=PoolingMode.SUM,
-                               per_sample_weights=low, bounds_check_mode="WARNING", backend=backend)
+    _, _, gpsw, _ = _fused_update(weights, optim.init_state(config, LAYOUT), g, indices, offsets,
+                                  layout=LAYOUT, config=config, hparams=None, pooling=PoolingMode.SUM,
+                                  per_sample_weights=low, bounds_check_mode="WARNING", backend=backend)
     assert gpsw.shape == psw.shape
 
 
@@ -368,7 +368,7 @@ def test_fuzz_fused_update_every_mode(backend, mode):
             with pytest.raises(Exception, match="bounds_check_indices"):
                 jax.block_until_ready(run(indices, offsets, psw, g))
             continue
-        (w_ada, s_ada, _), (w_sgd, _, gpsw) = run(indices, offsets, psw, g)
+        (w_ada, s_ada, *_), (w_sgd, _, gpsw, _) = run(indices, offsets, psw, g)
         if mode in ("WARNING", "IGNORE"):
             indices = corrected_ids(LAYOUT, indices, offsets)
         _, grads, want_gpsw = model(LAYOUT, tables, indices, offsets, PoolingMode.SUM, psw, g)
