@@ -188,6 +188,14 @@ def test_keep_deletes_the_oldest(tmp_path):
     np.testing.assert_array_equal(state["x"], [4, 4])
 
 
+def test_keep_spares_keep_steps(tmp_path):
+    for s in range(1, 6):
+        ckpt.save_checkpoint(tmp_path, s, {"x": jnp.full((2,), s, jnp.int32)}, keep=2, keep_steps=(2,))
+    assert ckpt.all_steps(tmp_path) == [2, 4, 5]
+    state, _ = ckpt.restore_checkpoint(tmp_path, {"x": jnp.zeros((2,), jnp.int32)}, step=2)
+    np.testing.assert_array_equal(state["x"], [2, 2])
+
+
 # --- errors ------------------------------------------------------------------------------
 
 def test_errors_of_the_directory_and_the_step(tmp_path):

@@ -107,14 +107,15 @@ class RestoredMetadata(dict):
 
 
 def save_checkpoint(directory, step: int, state, *, metadata: dict | None = None,
-                    keep: int | None = None, allow_nonfinite: bool = False) -> pathlib.Path:
+                    keep: int | None = None, keep_steps=(), allow_nonfinite: bool = False) -> pathlib.Path:
     """Writes ``state`` (a pytree of arrays) and ``metadata`` as checkpoint ``step``.
 
     ``directory`` is created if missing. Returns once the checkpoint is complete on disk
     (the caller may exit right after), with the path of the step's folder. ``step`` must be
     larger than every step saved in ``directory``. ``keep=N`` deletes all but the ``N``
-    newest checkpoints. A floating leaf holding NaN or Inf is refused (``ValueError``
-    naming it) unless ``allow_nonfinite=True``.
+    newest checkpoints and those of ``keep_steps`` (e.g. the best evaluation's). A floating
+    leaf holding NaN or Inf is refused (``ValueError`` naming it) unless
+    ``allow_nonfinite=True``.
     """
     step = _check_step(step)
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, numbers.Integral)
@@ -141,7 +142,8 @@ def save_checkpoint(directory, step: int, state, *, metadata: dict | None = None
             metadata=ocp.args.JsonSave(metadata)))
     if keep is not None and jax.process_index() == 0:
         for old in [*steps, step][:-keep]:
-            shutil.rmtree(path / str(old))
+            if old not in keep_steps:
+                shutil.rmtree(path / str(old))
     return path / str(step)
 
 

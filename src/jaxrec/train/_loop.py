@@ -37,7 +37,6 @@ import itertools
 import json
 import math
 import platform
-import shutil
 import sys
 import time
 import warnings
@@ -264,7 +263,8 @@ class _Run:
         # One batch per step, so the data position is the step; both are saved, so that a
         # future loader with other batch accounting can still find its place.
         try:
-            save_checkpoint(directory, self.step, _state(self.model, self.optimizer),
+            save_checkpoint(directory, self.step, _state(self.model, self.optimizer), keep=_KEEP,
+                            keep_steps=self._best_steps(),
                             metadata={"step": self.step, "data_position": self.step,
                                       "history": self.history,
                                       "config": dataclasses.asdict(self.config)})
@@ -272,11 +272,12 @@ class _Run:
             # No update writes a non-finite value (jaxrec/_step_guard.py), but a value set
             # from outside the step can hold one; stopped as a non-finite step all the same.
             raise NonFiniteError(str(e), self.step - self.start - 1) from e
-        best = (best_evaluation(self.task.info["task"], self.history["eval"]) if self.validates
-                else {})
-        for old in all_steps(directory)[:-_KEEP]:
-            if old != best.get("step"):
-                shutil.rmtree(Path(directory) / str(old))
+
+    def _best_steps(self) -> tuple[int, ...]:
+        """The step of the best validation evaluation, which the rotation keeps."""
+        if not self.validates or not self.history["eval"]:
+            return ()
+        return (best_evaluation(self.task.info["task"], self.history["eval"])["step"],)
 
     def _last_eval(self) -> dict[str, str]:
         return _last_eval(self.history, "val " if self.validates else "test ")
