@@ -1,0 +1,52 @@
+"""The fused update alone, to compare two builds of jaxrec on one machine, one after the other:
+
+    python benchmarks/fused_update_builds_ab.py OUT.json          # under each build in turn
+
+``jaxrec.fused.fused_update`` (weights and state donated, bounds check NONE) for SGD,
+rowwise Adagrad and Adam at the shape of issue 20's table (T=32 tables of E=1e6 rows,
+D=128, B=4096, L=20 uniform ids with duplicates, fp32): median of 5 repeats of 20
+back-to-back calls after 8 warm-up calls, rotating among 4 id sets. It checks that the
+weights stay finite. Used for the kept-row check (csrc/common/fused_optimizer.h,
+``RowStaysFinite``): benchmarks/results/fused_update_nonfinite_check_h100_2026-11-26.json.
+"""
+import json
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrec import optim
+from jaxrec.fused import fused_update
+from jaxrec.ops import TableLayout
+
+T, E, D, B, L = 32, 10**6, 128, 4096, 20
+layout = TableLayout(rows=(E,) * T, dims=(D,) * T, feature_table_map=tuple(range(T)))
+rng = np.random.default_rng(0)
+ids = [jnp.asarray(rng.integers(0, E, T * B * L).astype(np.int32)) for _ in range(4)]
+offsets = jnp.arange(T * B + 1, dtype=jnp.int32) * L
+g = jnp.asarray(rng.normal(size=(B, T * D)).astype(np.float32))
+res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ms": {}}
+for name, cfg in [("sgd", optim.SGD(learning_rate=0.01)), ("rowwise_adagrad", optim.RowWiseAdagrad(learning_rate=0.01)),
+                  ("adam", optim.Adam(learning_rate=0.01))]:
+    w = jax.random.uniform(jax.random.key(1), (layout.num_weights,), jnp.float32, -0.1, 0.1)
+    s = optim.init_state(cfg, layout)
+    step = jax.jit(lambda w, s, i, cfg=cfg: fused_update(w, s, g, i, offsets, layout=layout, config=cfg,
+                                                          bounds_check_mode="NONE"), donate_argnums=(0, 1))
+    for k in range(8):
+        w, s = step(w, s, ids[k % 4])
+    jax.block_until_ready(w)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for k in range(20):
+            w, s = step(w, s, ids[k % 4])
+        jax.block_until_ready(w)
+        times.append((time.perf_counter() - t0) / 20 * 1e3)
+    res["ms"][name] = statistics.median(times)
+    assert bool(jnp.isfinite(w).all())
+    del w, s
+print(json.dumps(res))
+json.dump(res, open(sys.argv[1], "w"), indent=1)
