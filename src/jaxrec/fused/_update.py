@@ -30,8 +30,8 @@ and the per-sample weights' gradient both come from the clamped values.
 A row whose update would not be finite, as stored (a NaN or Inf in ``grad_output``, or
 a rate so large that the row or its state overflows), is not written: it keeps its
 weights and state. Inside a train step the guard counts such rows and treats the step
-as non-finite (``jaxrec._step_guard``, docs/reliability.md); the explicit form drops the
-count, so check ``grad_output`` yourself if you call it directly.
+as non-finite (``jaxrec._step_guard``, docs/reliability.md); the explicit form returns
+the count with ``return_nonfinite_rows=True``.
 
 Bad ids never reach another table: with ``bounds_check_mode="NONE"`` an id outside its
 feature's table is dropped (no row and no optimizer state is touched for it; its
@@ -83,9 +83,11 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
                  hparams: C.OptimizerHyperparams | None = None,
                  pooling: PoolingMode | int = PoolingMode.SUM, per_sample_weights=None,
                  bounds_check_mode: BoundsCheckMode | int | str = BoundsCheckMode.WARNING,
-                 backend: str = "auto", return_per_sample_weights_grad: bool = False):
-    """One optimizer step on the rows the batch touched; returns ``(weights, state)``, or
-    ``(weights, state, grad_per_sample_weights)`` with ``return_per_sample_weights_grad``.
+                 backend: str = "auto", return_per_sample_weights_grad: bool = False,
+                 return_nonfinite_rows: bool = False):
+    """One optimizer step on the rows the batch touched; returns ``(weights, state)``, then
+    ``grad_per_sample_weights`` with ``return_per_sample_weights_grad`` and
+    ``nonfinite_rows`` with ``return_nonfinite_rows``, in that order.
 
     Args:
       weights: the flat buffer of all tables (``init_weights``); donate it.
@@ -102,14 +104,17 @@ def fused_update(weights: jax.Array, state, grad_output: jax.Array, indices: jax
       return_per_sample_weights_grad: also return the gradient of the lookup's output
         with respect to ``per_sample_weights`` (shape of ``indices``; 0 for padding and
         dropped ids), computed in the same pass from the rows before their update.
+      return_nonfinite_rows: also return the int32 count of rows that kept their values
+        because their update would not have been finite (module doc).
     """
     if return_per_sample_weights_grad and per_sample_weights is None:
         raise ValueError("return_per_sample_weights_grad=True needs per_sample_weights")
-    weights, state, grad_psw, _ = _fused_update(
+    weights, state, grad_psw, nonfinite_rows = _fused_update(
         weights, state, grad_output, indices, offsets, layout=layout, config=config,
         hparams=hparams, pooling=pooling, per_sample_weights=per_sample_weights,
         bounds_check_mode=bounds_check_mode, backend=backend)
-    return (weights, state, grad_psw) if return_per_sample_weights_grad else (weights, state)
+    return ((weights, state) + ((grad_psw,) if return_per_sample_weights_grad else ())
+            + ((nonfinite_rows,) if return_nonfinite_rows else ()))
 
 
 def _fused_update(weights, state, grad_output, indices, offsets, *, layout, config, hparams,
