@@ -23,10 +23,10 @@ The host never waits for the device. Each step takes a small latch from the step
 and returns it updated (``finish``): once a step must raise, the latch makes every later
 step update nothing, so that the error finds the model exactly as it was before the bad
 step however many steps the host issued in between; the latch also counts non-finite
-steps, corrected ids and kept rows. ``StepMonitor`` starts copying every 16th step's latch to the
-host and reads it once the device has finished that step (``is_ready``), before issuing
-another, or at ``check()``, which waits for the newest step; it raises for the step that
-halted, and re-arms the latch.
+steps, corrected ids and kept rows. ``StepMonitor`` starts copying every 16th step's
+latch to the host and reads it once the device has finished that step (``is_ready``),
+before issuing another, or at ``check()``, which waits for the newest step; it raises for
+the step that halted, and re-arms the latch.
 
 The exceptions, documented in docs/reliability.md, come from a fused table's update
 running inside the backward, in place, before the rest of the step exists. Its gate
