@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                         "file or ml-100k folder) (default: %(default)s)")
     p.add_argument("--table-optimizer", choices=list(TABLE_OPTIMIZERS), default=d.table_optimizer,
                    help="fused optimizer of the tables, or plain (optax) (default: %(default)s)")
-    p.add_argument("--table-lr", type=float, default=d.table_learning_rate, dest="table_learning_rate")
+    p.add_argument("--table-lr", type=float, dest="table_learning_rate",
+                   help="the tables' learning rate (default 0.1; retrieval 0.02)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default=d.dense_optimizer)
     p.add_argument("--dense-lr", type=float, default=d.dense_learning_rate, dest="dense_learning_rate")
     p.add_argument("--weight-decay", type=float,

@@ -45,8 +45,9 @@ RATINGS_WEIGHT_DECAY = 0.1  # measured: benchmarks/movielens_defaults.py, docs/n
 RATINGS_VAL_FRACTION = 0.1  # of the training ratings
 PATIENCE = 10  # measured: benchmarks/movielens_defaults.py, docs/nn.md
 POSITIVE_THRESHOLD = 4.0  # stars: 4 and 5 are positives, as in most MovieLens retrieval papers
-TEMPERATURE = 0.1  # measured: benchmarks/movielens_retrieval.py, docs/nn.md
+TEMPERATURE = 1.0  # measured: benchmarks/movielens_retrieval.py, docs/nn.md
 TOP_K = 10
+TABLE_LEARNING_RATE = {"retrieval": 0.02}  # else 0.1; measured: benchmarks/movielens_retrieval.py
 RETRIEVAL_WEIGHT_DECAY = 0.0  # measured: benchmarks/movielens_retrieval.py, docs/nn.md
 
 
@@ -66,7 +67,8 @@ class TrainConfig:
     file, or the ml-100k folder: split u1)."""
     table_optimizer: str = "rowwise_adagrad"
     """The fused optimizer of the tables (TABLE_OPTIMIZERS), or plain."""
-    table_learning_rate: float = 0.1
+    table_learning_rate: float | None = None
+    """Default 0.1 (retrieval: 0.02)."""
     dense_optimizer: str = "adam"
     dense_learning_rate: float = 3e-3
     weight_decay: float | None = None
@@ -110,7 +112,7 @@ class TrainConfig:
     correction by the items' frequency in the training positives) or "bpr" (the batch's
     candidates shifted by one row are the negatives)."""
     temperature: float | None = None
-    """Retrieval with the softmax loss (default 0.1): the logits are the dot products
+    """Retrieval with the softmax loss (default 1): the logits are the dot products
     divided by it; a resumed run takes a new value."""
     top_k: int | None = None
     """Retrieval only (default 10): K of Recall@K, NDCG@K, HitRate@K and MRR@K; early
@@ -171,6 +173,8 @@ class TrainConfig:
             raise ValueError("the synthetic log is endless: give steps, not epochs")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where the checkpoints are)")
+        if self.table_learning_rate is None:
+            object.__setattr__(self, "table_learning_rate", TABLE_LEARNING_RATE.get(task, 0.1))
         for name in ("table_learning_rate", "dense_learning_rate"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
