@@ -9,9 +9,15 @@ from jaxrec.train._config import (
     DENSE_OPTIMIZERS,
     MODELS,
     PATIENCE,
+    POSITIVE_THRESHOLD,
     RATINGS_VAL_FRACTION,
     RATINGS_WEIGHT_DECAY,
+    RETRIEVAL_LOSSES,
+    RETRIEVAL_WEIGHT_DECAY,
     TABLE_OPTIMIZERS,
+    TASKS,
+    TEMPERATURE,
+    TOP_K,
     TrainConfig,
 )
 
@@ -20,18 +26,23 @@ def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="jaxrec train", description="Train a recommendation model "
                                 "end to end; writes OUT_DIR/metrics.json and OUT_DIR/curves.png.")
+    p.add_argument("--task", choices=TASKS,
+                   help="ctr (click data), ratings (movielens: rating prediction, the default) "
+                        "or retrieval (movielens: top-K items per user from ratings >= "
+                        "--positive-threshold)")
     p.add_argument("--model", choices=MODELS, help="default: dlrm (click data), mf (movielens)")
     p.add_argument("--data", default=d.data,
                    help="synthetic | criteo:PATH (TSV file or folder) | movielens:PATH (ratings "
                         "file or ml-100k folder) (default: %(default)s)")
     p.add_argument("--table-optimizer", choices=list(TABLE_OPTIMIZERS), default=d.table_optimizer,
                    help="fused optimizer of the tables, or plain (optax) (default: %(default)s)")
-    p.add_argument("--table-lr", type=float, default=d.table_learning_rate, dest="table_learning_rate")
+    p.add_argument("--table-lr", type=float, dest="table_learning_rate",
+                   help="the tables' learning rate (default 0.1; retrieval 0.02)")
     p.add_argument("--dense-optimizer", choices=DENSE_OPTIMIZERS, default=d.dense_optimizer)
     p.add_argument("--dense-lr", type=float, default=d.dense_learning_rate, dest="dense_learning_rate")
     p.add_argument("--weight-decay", type=float,
-                   help=f"ratings only: L2 on the embeddings each rating uses, per rating "
-                        f"(default {RATINGS_WEIGHT_DECAY})")
+                   help=f"movielens only: L2 on the embeddings each rating uses, per rating "
+                        f"(default {RATINGS_WEIGHT_DECAY}; retrieval {RETRIEVAL_WEIGHT_DECAY})")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--steps", type=int, default=None, help=f"default {d.steps} unless --epochs")
     p.add_argument("--epochs", type=int, help="passes over a file (criteo, movielens)")
@@ -55,6 +66,18 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"stop after this many evaluations without a better validation metric; "
                         f"0: never stop early. The test set is evaluated once, at the end, with "
                         f"the best model (default {PATIENCE}; 0 with --val-fraction 0)")
+    p.add_argument("--positive-threshold", type=float,
+                   help=f"retrieval: ratings of at least this many stars are positives "
+                        f"(default {POSITIVE_THRESHOLD:g})")
+    p.add_argument("--retrieval-loss", choices=RETRIEVAL_LOSSES,
+                   help="retrieval: in-batch sampled softmax with logQ correction (default), "
+                        "or BPR against the batch's next row's item")
+    p.add_argument("--temperature", type=float,
+                   help=f"retrieval, softmax loss: logits = dot products / temperature "
+                        f"(default {TEMPERATURE:g})")
+    p.add_argument("--top-k", type=int,
+                   help=f"retrieval: K of Recall@K (early stopping, best model), NDCG@K, "
+                        f"HitRate@K, MRR@K (default {TOP_K})")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, help="default: at each evaluation")
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint")
@@ -110,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
              else "the last model; no validation set")
     print(f"{config.model} on {config.data}: {record['steps']} steps, test {final} ({which})"
           f"{ceiling}" + (f"; {speed:,.0f} samples/s on {record['device']}" if speed else ""))
+    popularity = record["data"].get("popularity_test")
+    if popularity:
+        print("popularity baseline (the most popular unseen items), test " + ", ".join(
+            f"{k} {v:.4f}" for k, v in popularity.items()))
     if record["early_stop"]:
         stop = record["early_stop"]
         print(f"stopped early at step {stop['step']}: {stop['patience']} evaluations without a "

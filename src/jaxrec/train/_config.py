@@ -6,10 +6,13 @@ import dataclasses
 import json
 
 from jaxrec import optim
+from jaxrec.data import MOVIELENS_RATING_RANGE
 
 MODELS = ("dlrm", "dcn", "mf", "two_tower")
 NONFINITE_POLICIES = {"stop": "raise", "skip": "skip"}  # -> the train step's on_nonfinite
 CTR_MODELS, RATING_MODELS = ("dlrm", "dcn"), ("mf", "two_tower")
+TASKS = ("ctr", "ratings", "retrieval")  # ctr: click data; ratings, retrieval: movielens
+RETRIEVAL_LOSSES = ("softmax", "bpr")
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 # Table optimizers by FBGEMM's names (lower case, without EXACT_); "plain" keeps the tables
 # as nnx.Param and lets the dense optax optimizer train them from dense gradients.
@@ -27,35 +30,52 @@ TABLE_OPTIMIZERS = {
 # What a resumed run may not change: the model's structure, or which data it trains on
 # next (eval_batches too: Criteo's first eval_batches batches are held out, not trained).
 # val_fraction too: it moves ratings between the training and the validation set.
-RESUME_MUST_MATCH = ("data", "model", "seed", "table_optimizer", "dense_optimizer", "batch_size",
-                     "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows", "eval_batches",
-                     "val_fraction")
-# Applied to the restored state (the rates), read by the loss each step (weight_decay), or
-# by the loop at each evaluation (patience: the count restarts from the restored curve).
-RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate", "weight_decay", "patience")
+# Retrieval: the task and positive_threshold change the training pairs, retrieval_loss
+# the objective, top_k the metrics that the curve and early stopping compare.
+RESUME_MUST_MATCH = ("data", "task", "model", "seed", "table_optimizer", "dense_optimizer",
+                     "batch_size", "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows",
+                     "eval_batches", "val_fraction", "positive_threshold", "retrieval_loss",
+                     "top_k")
+# Applied to the restored state (the rates), read by the loss each step (weight_decay,
+# temperature), or by the loop at each evaluation (patience: the count restarts from the
+# restored curve).
+RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate", "weight_decay", "temperature",
+                  "patience")
 RATINGS_WEIGHT_DECAY = 0.1  # measured: benchmarks/movielens_defaults.py, docs/nn.md
 RATINGS_VAL_FRACTION = 0.1  # of the training ratings
 PATIENCE = 10  # measured: benchmarks/movielens_defaults.py, docs/nn.md
+POSITIVE_THRESHOLD = 4.0  # stars: 4 and 5 are positives, as in most MovieLens retrieval papers
+TEMPERATURE = 1.0  # measured: benchmarks/movielens_retrieval.py, docs/nn.md
+TOP_K = 10
+TABLE_LEARNING_RATE = {"retrieval": 0.02}  # else 0.1; measured: benchmarks/movielens_retrieval.py
+RETRIEVAL_WEIGHT_DECAY = 0.0  # measured: benchmarks/movielens_retrieval.py, docs/nn.md
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """One training run (the defaults: DLRM on the synthetic click log, < 2 min on a CPU)."""
 
+    task: str | None = None
+    """ctr (click data, the only task there), ratings (movielens: rating prediction, the
+    default) or retrieval (movielens: top-K items per user from implicit feedback)."""
     model: str | None = None
-    """dlrm, dcn (click data) or mf, two_tower (ratings); default dlrm, or mf for movielens."""
+    """dlrm, dcn (click data) or mf, two_tower (ratings, retrieval); default dlrm, or mf
+    for movielens. Retrieval: mf is the dot product of the id embeddings (no biases),
+    two_tower adds an MLP tower on each side."""
     data: str = "synthetic"
     """synthetic, criteo:PATH (a TSV file or a folder of them) or movielens:PATH (a ratings
     file, or the ml-100k folder: split u1)."""
     table_optimizer: str = "rowwise_adagrad"
     """The fused optimizer of the tables (TABLE_OPTIMIZERS), or plain."""
-    table_learning_rate: float = 0.1
+    table_learning_rate: float | None = None
+    """Default 0.1 (retrieval: 0.02)."""
     dense_optimizer: str = "adam"
     dense_learning_rate: float = 3e-3
     weight_decay: float | None = None
-    """Ratings only (default 0.1): L2 on the embeddings each rating uses (mf: its user's and
-    item's rows, factors and bias), added to its squared error; a resumed run takes a new
-    value. Refused for click data, whose models train without it."""
+    """Movielens only (ratings: default 0.1; retrieval: default 0): L2 on the embeddings
+    each rating (or positive pair) uses (mf: its user's and item's rows, factors and bias),
+    added to its loss; a resumed run takes a new value. Refused for click data, whose
+    models train without it."""
     batch_size: int = 1024
     steps: int | None = 2500
     """Training steps; None: ``epochs`` passes over a file (synthetic data needs steps)."""
@@ -84,6 +104,19 @@ class TrainConfig:
     """Evaluations without a better validation metric before the run stops (default 10,
     or 0 without a validation set); 0: never stop early. The test set is evaluated once, at
     the end, with the model of the best validation evaluation."""
+    positive_threshold: float | None = None
+    """Retrieval only (default 4): a rating of at least this many stars is a positive
+    (user, item) pair; the other ratings are dropped from every split."""
+    retrieval_loss: str | None = None
+    """Retrieval only: "softmax" (default: in-batch sampled softmax with the logQ
+    correction by the items' frequency in the training positives) or "bpr" (the batch's
+    candidates shifted by one row are the negatives)."""
+    temperature: float | None = None
+    """Retrieval with the softmax loss (default 1): the logits are the dot products
+    divided by it; a resumed run takes a new value."""
+    top_k: int | None = None
+    """Retrieval only (default 10): K of Recall@K, NDCG@K, HitRate@K and MRR@K; early
+    stopping and the best model follow Recall@K."""
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     """Steps between checkpoints; default: at each evaluation."""
@@ -102,6 +135,15 @@ class TrainConfig:
         if kind not in ("synthetic", "criteo", "movielens") or (kind != "synthetic") != (":" in self.data):
             raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'movielens:PATH', got "
                              f"{self.data!r}")
+        task = self.task or ("ratings" if kind == "movielens" else "ctr")
+        if task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
+        if (kind == "movielens") == (task == "ctr"):
+            fit = "ratings or retrieval" if kind == "movielens" else "ctr"
+            raise ValueError(f"task {task!r} does not fit data {kind!r} (its labels are "
+                             f"{'ratings' if kind == 'movielens' else 'clicks, without user and item ids'}"
+                             f"); pass --task {fit}, or drop --task")
+        object.__setattr__(self, "task", task)
         model = self.model or ("mf" if kind == "movielens" else "dlrm")
         if model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
@@ -131,6 +173,8 @@ class TrainConfig:
             raise ValueError("the synthetic log is endless: give steps, not epochs")
         if self.resume and not self.checkpoint_dir:
             raise ValueError("resume needs checkpoint_dir (where the checkpoints are)")
+        if self.table_learning_rate is None:
+            object.__setattr__(self, "table_learning_rate", TABLE_LEARNING_RATE.get(task, 0.1))
         for name in ("table_learning_rate", "dense_learning_rate"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
@@ -139,7 +183,8 @@ class TrainConfig:
                              f"models train without it, so {self.weight_decay} would do nothing. "
                              "Drop --weight-decay")
         if self.weight_decay is None and kind == "movielens":
-            object.__setattr__(self, "weight_decay", RATINGS_WEIGHT_DECAY)
+            object.__setattr__(self, "weight_decay",
+                               RATINGS_WEIGHT_DECAY if task == "ratings" else RETRIEVAL_WEIGHT_DECAY)
         if self.weight_decay is not None and not 0 <= self.weight_decay < float("inf"):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
         if self.val_fraction is not None and kind != "movielens":
@@ -163,9 +208,48 @@ class TrainConfig:
                              "is 0: pass --val-fraction > 0 (e.g. 0.1), or --patience 0")
         if self.patience is None:
             object.__setattr__(self, "patience", PATIENCE if self.has_validation else 0)
+        self._check_retrieval()
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {tuple(NONFINITE_POLICIES)}, got "
                              f"{self.on_nonfinite!r}")
+
+    def _check_retrieval(self) -> None:
+        """The retrieval flags: refused for the other tasks, defaulted and checked here."""
+        names = ("positive_threshold", "retrieval_loss", "temperature", "top_k")
+        if self.task != "retrieval":
+            given = [flag(n) for n in names if getattr(self, n) is not None]
+            if given:
+                verb = "apply" if len(given) > 1 else "applies"
+                raise ValueError(f"{', '.join(given)} {verb} to --task retrieval (movielens "
+                                 f"data), and this run's task is {self.task}: drop them, or "
+                                 "pass --task retrieval")
+            return
+        threshold = self.positive_threshold
+        if threshold is None:
+            threshold = POSITIVE_THRESHOLD
+        low, high = MOVIELENS_RATING_RANGE
+        if not (isinstance(threshold, (int, float)) and low < threshold <= high):
+            raise ValueError(f"positive_threshold must be a number of stars in ({low}, {high}], "
+                             f"got {threshold!r}: pass e.g. --positive-threshold 4 (ratings of 4 "
+                             "and 5 are positives)")
+        loss = self.retrieval_loss or "softmax"
+        if loss not in RETRIEVAL_LOSSES:
+            raise ValueError(f"retrieval_loss must be one of {RETRIEVAL_LOSSES}, got {loss!r}")
+        temperature = self.temperature
+        if temperature is not None and loss != "softmax":
+            raise ValueError(f"temperature applies to --retrieval-loss softmax, and the loss is "
+                             f"{loss}, whose margins have no temperature: drop --temperature")
+        if temperature is None and loss == "softmax":
+            temperature = TEMPERATURE
+        if temperature is not None and not 0 < temperature < float("inf"):
+            raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}: "
+                             f"pass e.g. --temperature {TEMPERATURE}")
+        top_k = TOP_K if self.top_k is None else self.top_k
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be an int >= 1, got {top_k!r}: pass e.g. --top-k 10")
+        for name, value in (("positive_threshold", float(threshold)), ("retrieval_loss", loss),
+                            ("temperature", temperature), ("top_k", top_k)):
+            object.__setattr__(self, name, value)
 
     def resume_differences(self, saved: dict) -> tuple[list[str], list[str]]:
         """``(refused, applied)``: this config's differences from a checkpoint's ``saved``

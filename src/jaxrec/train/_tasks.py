@@ -1,6 +1,6 @@
 """What a run trains: the data (train stream from any position, validation and test batches),
-the model and its loss, for click data (DLRM, DLRM_DCN) and ratings (matrix factorisation,
-two towers).
+the model and its loss, for click data (DLRM, DLRM_DCN), ratings (matrix factorisation,
+two towers) and retrieval from ratings (two towers; ``_retrieval.py``).
 
 The three sets are disjoint. Ratings: the test split (ML-100K's ``u1.test``, or a seeded
 10% of a ratings file), then ``val_fraction`` of the remaining ratings, drawn by seed
@@ -26,6 +26,8 @@ from jaxrec import data, metrics, optim
 from jaxrec.models import DLRM, DLRM_DCN, TwoTower
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig
 from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
+from jaxrec.train._retrieval import evaluate as evaluate_retrieval
+from jaxrec.train._retrieval import retrieval_task
 
 _TEST_START = 1_000_000_000  # synthetic batches from here on are never trained on
 _VAL_START = 2_000_000_000
@@ -59,19 +61,43 @@ class Task:
         return {"rmse": metrics.rmse(y, s, w), "mae": metrics.mae(y, s, w)}
 
 
-PRIMARY_METRIC = {"ctr": ("auc", max), "ratings": ("rmse", min)}
-"""Per task, the held-out metric that ranks evaluations, and which end is best."""
+@dataclasses.dataclass
+class RetrievalTask(Task):
+    """Held-out sets are ``HeldOut`` positives; ``predict(model, every_row)`` gives every
+    user's and item's vector, and ``evaluate`` retrieves the top ``top_k`` items."""
+
+    every_row: data.Batch | None = None
+    top_k: int = 10
+
+    def evaluate(self, predict, held_out) -> dict[str, float]:
+        users, items = predict(self.model, self.every_row)
+        for name, x in (("user", users), ("item", items)):
+            bad = int(np.sum(~np.isfinite(np.asarray(x)).all(1)))
+            if bad:
+                raise FloatingPointError(f"{bad} of the {name} vectors are not finite (NaN or Inf)")
+        return evaluate_retrieval(users, items, held_out, self.top_k)
+
+
+PRIMARY_METRIC = {"ctr": ("auc", max), "ratings": ("rmse", min), "retrieval": ("recall@", max)}
+"""Per task, the held-out metric that ranks evaluations (a name ending in ``@``: the one
+metric of that name with any K, e.g. ``recall@10``), and which end is best."""
 
 
 def best_evaluation(task: str, evaluations: list[dict]) -> dict:
     """The evaluation (``{"step", metric: value, ...}``) best by the task's primary metric;
     the earliest among equals; ``{}`` before any."""
     name, pick = PRIMARY_METRIC[task]
-    scored = [e for e in evaluations if e.get(name) is not None]
+    scored = [(e, v) for e in evaluations if (v := _primary(name, e)) is not None]
     if not scored:
         return {}
-    best = pick(e[name] for e in scored)
-    return next(e for e in scored if e[name] == best)
+    best = pick(v for _, v in scored)
+    return next(e for e, v in scored if v == best)
+
+
+def _primary(name: str, evaluation: dict) -> float | None:
+    if not name.endswith("@"):
+        return evaluation.get(name)
+    return next((v for k, v in evaluation.items() if k.startswith(name)), None)
 
 
 def evaluations_since_best(task: str, evaluations: list[dict]) -> int:
@@ -82,6 +108,8 @@ def evaluations_since_best(task: str, evaluations: list[dict]) -> int:
 
 
 def build_task(config: TrainConfig) -> Task:
+    if config.task == "retrieval":
+        return retrieval_task(config, ratings_splits(config), RetrievalTask)
     if config.data_kind == "movielens":
         return _ratings_task(config)
     return _ctr_task(config)
