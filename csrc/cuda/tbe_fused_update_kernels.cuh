@@ -1,0 +1,257 @@
+// The fused update's kernels (see tbe_fused_update.cu for the algorithm) and
+// LaunchFused's definition, included by the units that instantiate it for their
+// optimizers (JAXREC_INSTANTIATE_FUSED_UPDATE).
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "common/fused_optimizer.h"
+#include "cuda/tbe_fused_update.cuh"
+
+namespace jaxrec {
+namespace fused_update {
+
+// The row as one warp holds it: element i of lane `lane` is column 128 * (i / 4) + 4 * lane + i % 4.
+template <int kChunks>
+struct WarpRow {
+  float w[4 * kChunks], g[4 * kChunks], s1[4 * kChunks], s2[4 * kChunks];
+  int64_t dim;
+  int lane;
+
+  __device__ static constexpr int Size() { return 4 * kChunks; }
+  __device__ __forceinline__ int64_t Column(int i) const { return 128 * (i / 4) + 4 * lane + i % 4; }
+  __device__ __forceinline__ bool valid(int i) const { return Column(i) < dim; }
+  __device__ __forceinline__ float Reduce(float x) const {
+#pragma unroll
+    for (int s = kWarpSize / 2; s > 0; s /= 2) x += __shfl_xor_sync(0xffffffff, x, s);
+    return x;  // every lane holds the same sum (each butterfly step adds a pair both ways)
+  }
+  __device__ __forceinline__ bool All(bool ok) const { return __all_sync(0xffffffff, ok); }
+};
+
+__device__ __forceinline__ void Put4(float* dst, float4 v) {
+  dst[0] = v.x;
+  dst[1] = v.y;
+  dst[2] = v.z;
+  dst[3] = v.w;
+}
+__device__ __forceinline__ float4 Get4(const float* src) {
+  return make_float4(src[0], src[1], src[2], src[3]);
+}
+
+template <typename W>
+__device__ __forceinline__ float4 RoundStochastic4(float4 v, const FusedArgs& a, uint32_t step, int64_t key,
+                                                   int64_t column) {
+  constexpr int kDrop = sizeof(W) == 2 ? (std::is_same_v<W, __nv_bfloat16> ? 16 : 13) : 0;
+  if constexpr (kDrop == 0) {
+    return v;
+  } else {
+    return make_float4(StochasticRound(v.x, RoundingBits(a.seed, step, key, column), kDrop),
+                       StochasticRound(v.y, RoundingBits(a.seed, step, key, column + 1), kDrop),
+                       StochasticRound(v.z, RoundingBits(a.seed, step, key, column + 2), kDrop),
+                       StochasticRound(v.w, RoundingBits(a.seed, step, key, column + 3), kDrop));
+  }
+}
+
+// Adds to row.g the gradient rows of the sorted entries from `begin` on, up to `end` or
+// the first entry of another key, in sorted order. The lanes read the entries 32 at a
+// time (key, position, bag -> scale and gradient row) and the warp then walks them in
+// order; the gradient loads of successive entries do not depend on each other, so many
+// are in flight at once.
+template <int kChunks, typename I>
+__device__ __forceinline__ void SumEntries(WarpRow<kChunks>& row, const float* __restrict__ grad,
+                                           const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                                           const I* __restrict__ sorted_positions,
+                                           const I* __restrict__ sorted_bags, const BackwardArgs& ga,
+                                           int64_t begin, int64_t end, I key) {
+#pragma unroll
+  for (int e = 0; e < row.Size(); ++e) row.g[e] = 0.f;
+  for (int64_t base = begin;; base += kWarpSize) {
+    const int64_t j = base + row.lane;
+    const bool mine = j < end && sorted_keys[j] == key;  // a prefix of the lanes
+    unsigned long long g_address = 0;
+    float scale = 0.f;
+    if (mine) {
+      const I p = sorted_positions[j];
+      const int64_t bag = sorted_bags[j];
+      if (RunEntryOk(ga, p, bag)) {  // else address 0: the entry is skipped below
+        scale = PositionScale(ga, offsets, bag, p);
+        g_address = reinterpret_cast<unsigned long long>(GradRow(ga, grad, bag, bag / ga.batch_size, p));
+      }
+    }
+    const int n = __popc(__ballot_sync(0xffffffff, mine));
+#pragma unroll 8
+    for (int t = 0; t < n; ++t) {
+      const float* g = reinterpret_cast<const float*>(__shfl_sync(0xffffffff, g_address, t));
+      const float entry_scale = __shfl_sync(0xffffffff, scale, t);
+      if (g == nullptr) continue;  // the same for every lane: no divergence
+#pragma unroll
+      for (int k = 0; k < kChunks; ++k) {
+        const int64_t c = 128 * k + 4 * row.lane;
+        if (c < row.dim) {
+          float4 acc = Get4(row.g + 4 * k);
+          Fma4(acc, entry_scale, LoadAny4(g + c, ColumnsLeft(row.dim, c)));
+          Put4(row.g + 4 * k, acc);
+        }
+      }
+    }
+    if (n < kWarpSize) break;
+  }
+}
+
+// Step 1's partial rows: warp w sums the head of window w, the entries from w * kWindow
+// on whose key is that of the entry before (a run that began in an earlier window).
+template <int kChunks, typename I>
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
+    WindowHeads(const float* __restrict__ grad, const I* __restrict__ offsets,
+                const I* __restrict__ sorted_keys, const I* __restrict__ sorted_positions,
+                const I* __restrict__ sorted_bags, FusedArgs a) {
+  const BackwardArgs& ga = a.grad;
+  const int64_t w = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  const int64_t begin = w * kWindow;
+  if (begin == 0 || begin >= ga.num_indices) return;
+  const I key = sorted_keys[begin];
+  if (key == std::numeric_limits<I>::max() || sorted_keys[begin - 1] != key) return;
+  if (!RunEntryOk(ga, sorted_positions[begin], sorted_bags[begin])) return;  // its run is skipped too
+  WarpRow<kChunks> row;
+  row.lane = threadIdx.x % kWarpSize;
+  row.dim = ga.dims[sorted_bags[begin] / ga.batch_size];
+  SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, begin,
+             std::min(begin + kWindow, ga.num_indices), key);
+  float* partial = a.partials + w * a.partial_width;
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t c = 128 * k + 4 * row.lane;
+    if (c < row.dim) StoreAny4(partial + c, Get4(row.g + 4 * k), ColumnsLeft(row.dim, c));
+  }
+}
+
+template <OptimizerKind kKind, int kChunks, typename W, typename I>
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
+    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ indices,
+                const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
+  const BackwardArgs& ga = a.grad;
+  const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  WarpRow<kChunks> row;
+  row.lane = threadIdx.x % kWarpSize;
+  if (i >= ga.num_indices) return;
+  const I key = sorted_keys[i];
+  if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
+  if (!EntryOk(ga, indices, sorted_positions[i], sorted_bags[i])) return;  // not a row of its table
+
+  const int64_t f0 = sorted_bags[i] / ga.batch_size;
+  row.dim = ga.dims[f0];
+  const int64_t row_start =
+      ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
+
+  // 1. The row's summed gradient, in sorted order: the run's entries in its first window,
+  // then the head sums of the windows it continues into.
+  const int64_t window_end = std::min((i / kWindow + 1) * kWindow, ga.num_indices);
+  SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, i, window_end, key);
+  for (int64_t w = i / kWindow + 1; w * kWindow < ga.num_indices && sorted_keys[w * kWindow] == key; ++w) {
+    const float* partial = a.partials + w * a.partial_width;
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int64_t c = 128 * k + 4 * row.lane;
+      if (c < row.dim) {
+        float4 acc = Get4(row.g + 4 * k);
+        Fma4(acc, 1.f, LoadAny4(partial + c, ColumnsLeft(row.dim, c)));
+        Put4(row.g + 4 * k, acc);
+      }
+    }
+  }
+
+  // 2. Weights and state in, the optimizer, 3. out.
+  constexpr bool kS1Row = State1PerRow(kKind), kS2Row = State2PerRow(kKind);
+  constexpr int kStates = NumStates(kKind);
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t c = 128 * k + 4 * row.lane;
+    const bool in = c < row.dim;
+    const int count = in ? ColumnsLeft(row.dim, c) : 0;
+    Put4(row.w + 4 * k, in ? LoadAny4(weights + row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+    if constexpr (kStates >= 1 && !kS1Row) {
+      Put4(row.s1 + 4 * k, in ? a.state1.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+    if constexpr (kStates >= 2 && !kS2Row) {
+      Put4(row.s2 + 4 * k, in ? a.state2.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+    }
+  }
+  float s1_row = 0.f, s2_row = 0.f;
+  if constexpr (kS1Row) s1_row = a.state1.Load(key);
+  if constexpr (kS2Row) s2_row = a.state2.Load(key);
+
+  RowUpdateArgs ua;
+  ua.h = Hyperparams::Load(a.hparams);
+  const int32_t new_step = *a.step + 1;
+  ua.step = static_cast<float>(new_step);
+  ua.dim = static_cast<float>(row.dim);
+  ua.weight_decay_mode = a.weight_decay_mode;
+  UpdateRow<kKind>(row, ua, s1_row, s2_row);
+
+  // Stochastic rounding first, so that the check sees the values that would be stored;
+  // the row keeps its old values if one would not be finite.
+  if (a.stochastic_rounding) {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int64_t c = 128 * k + 4 * row.lane;
+      Put4(row.w + 4 * k,
+           RoundStochastic4<W>(Get4(row.w + 4 * k), a, static_cast<uint32_t>(new_step), key, c));
+    }
+  }
+  if (!RowStaysFinite<kKind>(row, s1_row, s2_row, a.limits)) {
+    if (row.lane == 0) atomicAdd(a.nonfinite_rows, 1);
+    return;
+  }
+
+#pragma unroll
+  for (int k = 0; k < kChunks; ++k) {
+    const int64_t c = 128 * k + 4 * row.lane;
+    if (c >= row.dim) continue;
+    const int count = ColumnsLeft(row.dim, c);
+    StoreAny4(weights + row_start + c, Get4(row.w + 4 * k), count);
+    if constexpr (kStates >= 1 && !kS1Row) a.state1.Store4(row_start + c, Get4(row.s1 + 4 * k), count);
+    if constexpr (kStates >= 2 && !kS2Row) a.state2.Store4(row_start + c, Get4(row.s2 + 4 * k), count);
+  }
+  if (row.lane == 0) {
+    if constexpr (kS1Row) a.state1.Store(key, s1_row);
+    if constexpr (kS2Row) a.state2.Store(key, s2_row);
+  }
+}
+
+template <OptimizerKind kKind, typename W, typename I>
+void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
+  const auto launch = [&](auto heads, auto kernel) {
+    if (a.partials != nullptr) {
+      heads<<<l.window_blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
+          l.grad, static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
+          static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
+    }
+    kernel<<<l.blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
+        l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.indices),
+        static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
+        static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
+  };
+  if (chunks <= 1) {
+    launch(WindowHeads<1, I>, FusedUpdate<kKind, 1, W, I>);
+  } else if (chunks <= 4) {
+    launch(WindowHeads<4, I>, FusedUpdate<kKind, 4, W, I>);
+  } else {
+    launch(WindowHeads<kMaxChunks, I>, FusedUpdate<kKind, kMaxChunks, W, I>);
+  }
+}
+
+}  // namespace fused_update
+}  // namespace jaxrec
+
+// LaunchFused for optimizer `kind` (an OptimizerKind) and every weight and index dtype.
+#define JAXREC_INSTANTIATE_FUSED_UPDATE(kind)                                                    \
+  template void LaunchFused<kind, float, int32_t>(const Launch&, int, const FusedArgs&);         \
+  template void LaunchFused<kind, float, int64_t>(const Launch&, int, const FusedArgs&);         \
+  template void LaunchFused<kind, __half, int32_t>(const Launch&, int, const FusedArgs&);        \
+  template void LaunchFused<kind, __half, int64_t>(const Launch&, int, const FusedArgs&);        \
+  template void LaunchFused<kind, __nv_bfloat16, int32_t>(const Launch&, int, const FusedArgs&); \
+  template void LaunchFused<kind, __nv_bfloat16, int64_t>(const Launch&, int, const FusedArgs&);

@@ -1,0 +1,14 @@
+// The fused update's kernels for SGD, Adagrad, rowwise Adagrad and LARS-SGD (a unit of its own so that the
+// build runs the two families in parallel: tbe_fused_update.cuh).
+#include "cuda/tbe_fused_update_kernels.cuh"
+
+namespace jaxrec {
+namespace fused_update {
+
+JAXREC_INSTANTIATE_FUSED_UPDATE(OptimizerKind::kSgd)
+JAXREC_INSTANTIATE_FUSED_UPDATE(OptimizerKind::kAdagrad)
+JAXREC_INSTANTIATE_FUSED_UPDATE(OptimizerKind::kRowWiseAdagrad)
+JAXREC_INSTANTIATE_FUSED_UPDATE(OptimizerKind::kLarsSgd)
+
+}  // namespace fused_update
+}  // namespace jaxrec
