@@ -42,6 +42,7 @@ from jaxrec.data._batch import batch_from_ids
 from jaxrec.models import TwoTower, bpr_loss, in_batch_softmax_loss
 from jaxrec.ops import top_k_retrieval
 from jaxrec.train._config import TrainConfig
+from jaxrec.train._task_base import Task, collection, masked_mean, passes
 
 _QUERIES_PER_CALL = 4096  # users retrieved per top_k_retrieval call (bounds the exclusions)
 
@@ -122,9 +123,25 @@ def positive_pairs(ratings: data.MovieLensRatings, threshold: float) -> data.Mov
     return data.MovieLensRatings(*(field[keep] for field in ratings))
 
 
-def retrieval_task(config: TrainConfig, splits, task_class):
+@dataclasses.dataclass
+class RetrievalTask(Task):
+    """Held-out sets are ``HeldOut`` positives; ``predict(model, every_row)`` gives every
+    user's and item's vector, and ``evaluate`` retrieves the top ``top_k`` items."""
+
+    every_row: data.Batch | None = None
+    top_k: int = 10
+
+    def evaluate(self, predict, held_out) -> dict[str, float]:
+        users, items = predict(self.model, self.every_row)
+        for name, x in (("user", users), ("item", items)):
+            bad = int(np.sum(~np.isfinite(np.asarray(x)).all(1)))
+            if bad:
+                raise FloatingPointError(f"{bad} of the {name} vectors are not finite (NaN or Inf)")
+        return evaluate(users, items, held_out, self.top_k)
+
+
+def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
     """The ``Task`` of ``config`` (``task="retrieval"``) from the ratings ``splits``."""
-    from jaxrec.train._tasks import _collection, _masked_mean, _passes  # noqa: PLC0415
 
     path = Path(config.data_path)
     user_ids, item_ids = data.movielens_ids(*[p for p in splits if p is not None])
@@ -162,12 +179,12 @@ def retrieval_task(config: TrainConfig, splits, task_class):
     counts = np.bincount(train_rows[:, 1], minlength=num_items)
     log_q = jnp.asarray(np.log(np.maximum(counts, 1) / counts.sum()), jnp.float32)
     keys = data.MOVIELENS_KEYS
-    ebc = _collection(config, keys, (num_users, num_items))
+    ebc = collection(config, keys, (num_users, num_items))
     layers = () if config.model == "mf" else (64, 32)
     model = TwoTower(ebc, [keys[0]], [keys[1]], layers, rngs=nnx.Rngs(config.seed + 1))
 
     def train_batches(position):
-        return itertools.islice(_passes(config, reader.one_pass, str(path)), position, None)
+        return itertools.islice(passes(config, reader.one_pass, str(path)), position, None)
 
     def loss_fn(model, batch):
         query, candidate = model.embed(batch.sparse)
@@ -180,7 +197,7 @@ def retrieval_task(config: TrainConfig, splits, task_class):
         if not config.weight_decay:
             return loss
         norms = jnp.sum(query ** 2, axis=1) + jnp.sum(candidate ** 2, axis=1)
-        return loss + config.weight_decay * _masked_mean(norms, batch)
+        return loss + config.weight_decay * masked_mean(norms, batch)
 
     size = max(num_users, num_items)  # one batch: every user row and every item row
     index = np.stack([np.arange(size) % num_users,
@@ -199,8 +216,8 @@ def retrieval_task(config: TrainConfig, splits, task_class):
             "train_positives": len(train), "val_positives": 0 if val is None else len(val),
             "test_positives": len(test), "val_users": 0 if val_set is None else len(val_set),
             "test_users": len(test_set), "popularity_test": popularity}
-    return task_class(model, loss_fn, predict, train_batches, val_set, test_set, len(reader),
-                      info, every_row=every_row, top_k=config.top_k)
+    return RetrievalTask(model, loss_fn, predict, train_batches, val_set, test_set, len(reader),
+                         info, every_row=every_row, top_k=config.top_k)
 
 
 def _item_rows(batch) -> jax.Array:

@@ -11,9 +11,7 @@ stream, which training skips).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jax
@@ -22,60 +20,15 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jaxrec import data, metrics, optim
+from jaxrec import data
 from jaxrec.models import DLRM, DLRM_DCN, TwoTower
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig
-from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
-from jaxrec.train._retrieval import evaluate as evaluate_retrieval
+from jaxrec.nn import EmbeddingBagCollection
+from jaxrec.train._config import TrainConfig
 from jaxrec.train._retrieval import retrieval_task
+from jaxrec.train._task_base import Task, collection, masked_mean, passes
 
 _TEST_START = 1_000_000_000  # synthetic batches from here on are never trained on
 _VAL_START = 2_000_000_000
-
-
-@dataclasses.dataclass
-class Task:
-    model: nnx.Module
-    loss_fn: Callable  # (model, batch) -> scalar
-    predict: Callable  # (model, batch) -> [B] probabilities or ratings
-    train_batches: Callable[[int], Iterator[data.Batch]]  # from a position (batches consumed)
-    val_batches: list[data.Batch] | None  # None: no validation set (ratings, val_fraction 0)
-    test_batches: list[data.Batch]
-    steps_per_epoch: int | None
-    info: dict
-
-    def evaluate(self, predict, batches: list[data.Batch]) -> dict[str, float]:
-        """The task's metrics of ``predict`` on ``batches`` (the masked rows only)."""
-        labels, scores, masks = [], [], []
-        for batch in batches:
-            scores.append(np.asarray(predict(self.model, batch)))
-            labels.append(np.asarray(batch.labels))
-            masks.append(np.asarray(batch.mask))
-        y, s, w = (np.concatenate(x) for x in (labels, scores, masks))
-        bad = ~np.isfinite(s) & (w > 0)
-        if bad.any():  # a finite model whose values overflow in the forward pass
-            raise FloatingPointError(f"{int(bad.sum())} of the held-out predictions are not "
-                                     "finite (NaN or Inf)")
-        if self.info["task"] == "ctr":
-            return {"auc": metrics.auc(y, s, w), "log_loss": metrics.log_loss(y, s, w)}
-        return {"rmse": metrics.rmse(y, s, w), "mae": metrics.mae(y, s, w)}
-
-
-@dataclasses.dataclass
-class RetrievalTask(Task):
-    """Held-out sets are ``HeldOut`` positives; ``predict(model, every_row)`` gives every
-    user's and item's vector, and ``evaluate`` retrieves the top ``top_k`` items."""
-
-    every_row: data.Batch | None = None
-    top_k: int = 10
-
-    def evaluate(self, predict, held_out) -> dict[str, float]:
-        users, items = predict(self.model, self.every_row)
-        for name, x in (("user", users), ("item", items)):
-            bad = int(np.sum(~np.isfinite(np.asarray(x)).all(1)))
-            if bad:
-                raise FloatingPointError(f"{bad} of the {name} vectors are not finite (NaN or Inf)")
-        return evaluate_retrieval(users, items, held_out, self.top_k)
 
 
 PRIMARY_METRIC = {"ctr": ("auc", max), "ratings": ("rmse", min), "retrieval": ("recall@", max)}
@@ -109,35 +62,10 @@ def evaluations_since_best(task: str, evaluations: list[dict]) -> int:
 
 def build_task(config: TrainConfig) -> Task:
     if config.task == "retrieval":
-        return retrieval_task(config, ratings_splits(config), RetrievalTask)
+        return retrieval_task(config, ratings_splits(config))
     if config.data_kind == "movielens":
         return _ratings_task(config)
     return _ctr_task(config)
-
-
-def _collection(config: TrainConfig, keys, sizes, extra_columns: int = 0) -> EmbeddingBagCollection:
-    optimizer = TABLE_OPTIMIZERS[config.table_optimizer]
-    tt = _tt_config(config)
-    dim = config.embedding_dim + extra_columns
-    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=dim,
-                                 feature_names=[k], tt=tt if tt and n >= config.tt_min_rows else None)
-              for k, n in zip(keys, sizes)]
-    return EmbeddingBagCollection(
-        tables, optimizer=None if optimizer is None else optimizer(
-            learning_rate=config.table_learning_rate),
-        rngs=nnx.Rngs(config.seed), backend=config.backend)
-
-
-def _tt_config(config: TrainConfig) -> TTConfig | None:
-    """TT tables' config: FBTT's fused SGD or Adagrad, whichever is closer to the tables'."""
-    if not config.tt_ranks:
-        return None
-    fused = None
-    if config.table_optimizer == "sgd":
-        fused = optim.SGD(learning_rate=config.table_learning_rate)
-    elif config.table_optimizer != "plain":
-        fused = optim.Adagrad(learning_rate=config.table_learning_rate)
-    return TTConfig(tt_ranks=config.tt_ranks, optimizer=fused)
 
 
 def table_memory(ebc: EmbeddingBagCollection) -> dict[str, int]:
@@ -150,24 +78,6 @@ def table_memory(ebc: EmbeddingBagCollection) -> dict[str, int]:
     return {"dense_floats": dense, "stored_floats": stored, "tt_tables": sum(
         1 for t in ebc.table_configs if t.tt), "tt_tables_dense_floats": tt_dense,
         "tt_tables_stored_floats": tt_stored}
-
-
-def _passes(config: TrainConfig, one_pass: Callable[[int], Iterator], source: str) -> Iterator:
-    """Passes over a file, chained: endless when the run is counted in steps, else
-    ``epochs``; ``one_pass(number)`` from 0. A pass that yields nothing is an error:
-    chaining endless empty passes would spin at 100% CPU forever."""
-    for number in itertools.count(1) if config.steps else range(1, config.epochs + 1):
-        empty = True
-        for batch in one_pass(number - 1):
-            empty = False
-            yield batch
-        if empty:
-            raise ValueError(f"{source}: pass {number} over the data gave no training batch; "
-                             "was the file changed or truncated during the run?")
-
-
-def _masked_mean(losses, batch):
-    return jnp.sum(losses * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
 
 
 def _ctr_task(config: TrainConfig) -> Task:
@@ -197,10 +107,10 @@ def _ctr_task(config: TrainConfig) -> Task:
             return itertools.islice(iter(reader), 2 * config.eval_batches, None)
 
         def train_batches(position):
-            return itertools.islice(_passes(config, one_pass, config.data_path), position, None)
+            return itertools.islice(passes(config, one_pass, config.data_path), position, None)
 
         info["files"] = [str(p) for p in paths]
-    ebc = _collection(config, keys, sizes)
+    ebc = collection(config, keys, sizes)
     if config.model == "dlrm":
         model = DLRM(ebc, num_dense, [64, d], [64, 32, 1], rngs=rngs)
     else:
@@ -209,7 +119,7 @@ def _ctr_task(config: TrainConfig) -> Task:
 
     def loss_fn(model, batch):
         logits = model(batch.dense, batch.sparse)[:, 0]
-        return _masked_mean(optax.sigmoid_binary_cross_entropy(logits, batch.labels), batch)
+        return masked_mean(optax.sigmoid_binary_cross_entropy(logits, batch.labels), batch)
 
     def predict(model, batch):
         return jax.nn.sigmoid(model(batch.dense, batch.sparse)[:, 0])
@@ -304,13 +214,13 @@ def _ratings_task(config: TrainConfig) -> Task:
     val_batches = None if val is None else list(data.MovieLensReader(val, **common))
     keys, sizes = data.MOVIELENS_KEYS, (reader.num_users, reader.num_items)
     biased = config.model == "mf"  # biased MF: a bias column beside the factors
-    ebc = _collection(config, keys, sizes, extra_columns=int(biased))
+    ebc = collection(config, keys, sizes, extra_columns=int(biased))
     layers = () if biased else (64, 32)
     model = TwoTower(ebc, [keys[0]], [keys[1]], layers, bias=float(train.ratings.mean()),
                      biased=biased, rngs=nnx.Rngs(config.seed + 1))
 
     def train_batches(position):
-        return itertools.islice(_passes(config, reader.one_pass, str(path)), position, None)
+        return itertools.islice(passes(config, reader.one_pass, str(path)), position, None)
 
     def loss_fn(model, batch):
         # L2 on the embeddings each rating uses (mf: its user's and item's rows), once per
@@ -319,7 +229,7 @@ def _ratings_task(config: TrainConfig) -> Task:
         query, candidate = model.embed(batch.sparse)
         error = (model.score(query, candidate) - batch.labels) ** 2
         norms = jnp.sum(query ** 2, axis=1) + jnp.sum(candidate ** 2, axis=1)
-        return _masked_mean(error + config.weight_decay * norms, batch)
+        return masked_mean(error + config.weight_decay * norms, batch)
 
     def predict(model, batch):  # a rating is on the star scale: clipping only helps RMSE
         return jnp.clip(model(batch.sparse), *data.MOVIELENS_RATING_RANGE)

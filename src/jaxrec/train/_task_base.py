@@ -1,0 +1,88 @@
+"""What every task of ``jaxrec train`` is made of: the ``Task`` record, its table
+collection, passes over a file and the masked mean of a loss (``_tasks.py`` builds the
+click and ratings tasks, ``_retrieval.py`` the retrieval task)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Callable, Iterator
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrec import data, metrics, optim
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig
+from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
+
+
+@dataclasses.dataclass
+class Task:
+    model: nnx.Module
+    loss_fn: Callable  # (model, batch) -> scalar
+    predict: Callable  # (model, batch) -> [B] probabilities or ratings
+    train_batches: Callable[[int], Iterator[data.Batch]]  # from a position (batches consumed)
+    val_batches: list[data.Batch] | None  # None: no validation set (ratings, val_fraction 0)
+    test_batches: list[data.Batch]
+    steps_per_epoch: int | None
+    info: dict
+
+    def evaluate(self, predict, batches: list[data.Batch]) -> dict[str, float]:
+        """The task's metrics of ``predict`` on ``batches`` (the masked rows only)."""
+        labels, scores, masks = [], [], []
+        for batch in batches:
+            scores.append(np.asarray(predict(self.model, batch)))
+            labels.append(np.asarray(batch.labels))
+            masks.append(np.asarray(batch.mask))
+        y, s, w = (np.concatenate(x) for x in (labels, scores, masks))
+        bad = ~np.isfinite(s) & (w > 0)
+        if bad.any():  # a finite model whose values overflow in the forward pass
+            raise FloatingPointError(f"{int(bad.sum())} of the held-out predictions are not "
+                                     "finite (NaN or Inf)")
+        if self.info["task"] == "ctr":
+            return {"auc": metrics.auc(y, s, w), "log_loss": metrics.log_loss(y, s, w)}
+        return {"rmse": metrics.rmse(y, s, w), "mae": metrics.mae(y, s, w)}
+
+
+def collection(config: TrainConfig, keys, sizes, extra_columns: int = 0) -> EmbeddingBagCollection:
+    optimizer = TABLE_OPTIMIZERS[config.table_optimizer]
+    tt = tt_config(config)
+    dim = config.embedding_dim + extra_columns
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=dim,
+                                 feature_names=[k], tt=tt if tt and n >= config.tt_min_rows else None)
+              for k, n in zip(keys, sizes)]
+    return EmbeddingBagCollection(
+        tables, optimizer=None if optimizer is None else optimizer(
+            learning_rate=config.table_learning_rate),
+        rngs=nnx.Rngs(config.seed), backend=config.backend)
+
+
+def tt_config(config: TrainConfig) -> TTConfig | None:
+    """TT tables' config: FBTT's fused SGD or Adagrad, whichever is closer to the tables'."""
+    if not config.tt_ranks:
+        return None
+    fused = None
+    if config.table_optimizer == "sgd":
+        fused = optim.SGD(learning_rate=config.table_learning_rate)
+    elif config.table_optimizer != "plain":
+        fused = optim.Adagrad(learning_rate=config.table_learning_rate)
+    return TTConfig(tt_ranks=config.tt_ranks, optimizer=fused)
+
+
+def passes(config: TrainConfig, one_pass: Callable[[int], Iterator], source: str) -> Iterator:
+    """Passes over a file, chained: endless when the run is counted in steps, else
+    ``epochs``; ``one_pass(number)`` from 0. A pass that yields nothing is an error:
+    chaining endless empty passes would spin at 100% CPU forever."""
+    for number in itertools.count(1) if config.steps else range(1, config.epochs + 1):
+        empty = True
+        for batch in one_pass(number - 1):
+            empty = False
+            yield batch
+        if empty:
+            raise ValueError(f"{source}: pass {number} over the data gave no training batch; "
+                             "was the file changed or truncated during the run?")
+
+
+def masked_mean(losses, batch):
+    return jnp.sum(losses * batch.mask) / jnp.maximum(jnp.sum(batch.mask), 1.0)
