@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import train_testing
 
 from jaxrec.metrics import ranking_metrics
 from jaxrec.train import TrainConfig, main, train
@@ -18,12 +19,8 @@ from jaxrec.train._tasks import best_evaluation, build_task, ratings_splits
 
 
 def write_ratings(path: Path, n: int = 600, seed: int = 3) -> Path:
-    """``n`` ratings of 25 users and 30 items; rating ``k`` has timestamp ``k``."""
-    rng = np.random.default_rng(seed)
-    users, items, stars = rng.integers(1, 26, n), rng.integers(1, 31, n), rng.integers(1, 6, n)
-    path.write_text("".join(f"{u}\t{i}\t{r}\t{k}\n"
-                            for k, (u, i, r) in enumerate(zip(users, items, stars))))
-    return path
+    """``n`` ratings of 25 users and 30 items."""
+    return train_testing.write_ratings(path, n, users=25, items=30, seed=seed)
 
 
 @pytest.fixture(scope="module")

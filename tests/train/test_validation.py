@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import train_testing
 from flax import nnx
 
 from jaxrec.checkpoint import all_steps, restore_checkpoint
@@ -27,12 +28,8 @@ CURVE = {1: 1.0, 2: 0.9, 3: 0.95, 4: 0.9, 5: 0.92, 6: 0.9, 7: 0.93, 8: 0.94, 9: 
 
 
 def write_ratings(path: Path, n: int, seed: int = 3) -> Path:
-    """``n`` ratings; rating ``k`` has timestamp ``k``, which names it in every split."""
-    rng = np.random.default_rng(seed)
-    users, items, stars = rng.integers(1, 30, n), rng.integers(1, 20, n), rng.integers(1, 6, n)
-    path.write_text("".join(f"{u}\t{i}\t{r}\t{k}\n"
-                            for k, (u, i, r) in enumerate(zip(users, items, stars))))
-    return path
+    """``n`` ratings of 29 users and 19 items."""
+    return train_testing.write_ratings(path, n, users=29, items=19, seed=seed)
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ first relevant item when it is in the top K, else 0 (the top K is all the evalua
 ranks). A held-out positive that is also excluded does not count (nor does a query left
 without one). Ties rank by item row, lowest first, as in ``ranking_metrics``.
 
-The popularity baseline (``info["popularity"]``): every user gets the items with the most
+The popularity baseline (``info["popularity_test"]``): every user gets the items with the most
 training positives, through the same evaluation (same exclusions and ties).
 """
 
