@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 import numpy as np
 
@@ -33,8 +34,20 @@ FILES = {"ml100k_like": (943, 1682, 100_000, 20, 0),
          "fewer_users_and_items": (400, 600, 30_000, 0, 1)}
 
 
-def generate(path: str, users: int, items: int, n: int, minimum: int, seed: int) -> np.ndarray:
-    """Writes the file; returns the noise-free ratings in file order."""
+class Generated(NamedTuple):
+    """What ``generate`` drew: the noise-free rating of each line, in file order, and the
+    parameters behind it (0-based ids)."""
+
+    truth: np.ndarray  # [ratings]
+    popularity: np.ndarray  # [items], an item's weight in drawing who rated what
+    user_bias: np.ndarray
+    item_bias: np.ndarray
+    user_factors: np.ndarray  # [users, 8]
+    item_factors: np.ndarray  # [items, 8]
+
+
+def generate(path: str, users: int, items: int, n: int, minimum: int, seed: int) -> Generated:
+    """Writes the file; returns what it drew."""
     rng = np.random.default_rng(seed)
     activity, popularity = rng.lognormal(0, 1.0, users), rng.lognormal(0, 1.3, items)
     base = np.repeat(np.arange(users), minimum)
@@ -50,7 +63,7 @@ def generate(path: str, users: int, items: int, n: int, minimum: int, seed: int)
     with open(path, "w") as f:
         f.writelines(f"{a + 1}\t{b + 1}\t{c}\t{874965758 + k}\n"
                      for k, (a, b, c) in enumerate(zip(u, i, stars)))
-    return truth
+    return Generated(truth, popularity, bu, bi, p, q)
 
 
 def cli_split(n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -81,19 +94,35 @@ def als(u, i, r, tr, te, rank: int, lam: float, iters: int = 12) -> float:
     return float(np.sqrt(np.mean((pred - r[te]) ** 2)))
 
 
-def default_run(path: str, out_dir: str, flags: list[str]) -> dict:
+def train_cli(path: str, out_dir: str, flags: list[str]) -> tuple[dict, float]:
+    """``jaxrec train --data movielens:path`` with ``flags``: its metrics.json record, and
+    the seconds it took."""
     start = time.perf_counter()
     subprocess.run([sys.executable, "-m", "jaxrec", "train", "--data", f"movielens:{path}",
                     "--out-dir", out_dir, *flags], check=True, capture_output=True)
     with open(os.path.join(out_dir, "metrics.json")) as f:
-        record = json.load(f)
+        return json.load(f), round(time.perf_counter() - start, 1)
+
+
+def write_results(results: dict, out: str) -> None:
+    """``results`` with the date and the environment, as JSON at ``out``."""
+    import jax
+
+    import jaxrec
+    results.update(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, jaxrec=jaxrec.__version__,
+                   device=jax.devices()[0].device_kind, cpu_count=os.cpu_count())
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+def default_run(path: str, out_dir: str, flags: list[str]) -> dict:
+    record, seconds = train_cli(path, out_dir, flags)
     return {"test_rmse": record["final"]["rmse"], "tested_step": record["test"]["step"],
             "best_val_rmse": record["best"]["rmse"], "best_step": record["best"]["step"],
             "steps": record["steps"], "early_stop": record["early_stop"],
             "weight_decay": record["config"]["weight_decay"],
             "val_fraction": record["config"]["val_fraction"],
-            "patience": record["config"]["patience"], "flags": flags,
-            "seconds": round(time.perf_counter() - start, 1)}
+            "patience": record["config"]["patience"], "flags": flags, "seconds": seconds}
 
 
 def main(argv=None) -> int:
@@ -105,7 +134,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in FILES.items():
             path = os.path.join(tmp, f"{name}.data")
-            truth = generate(path, *spec)
+            truth = generate(path, *spec).truth
             data = np.loadtxt(path, dtype=np.int64)
             u, i, r = data[:, 0], data[:, 1], data[:, 2].astype(float)
             tr, te = cli_split(len(r))
@@ -118,13 +147,7 @@ def main(argv=None) -> int:
                    "noise_free_truth": float(np.sqrt(np.mean((np.clip(truth[te], 1, 5) - r[te]) ** 2)))}
             results["files"][name] = row
             print(name, json.dumps(row), flush=True)
-    import jax
-
-    import jaxrec
-    results.update(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, jaxrec=jaxrec.__version__,
-                   device=jax.devices()[0].device_kind, cpu_count=os.cpu_count())
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(results, args.out)
     return 0
 
 

@@ -25,43 +25,23 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
-import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from movielens_defaults import FILES, generate  # noqa: E402
+from movielens_defaults import FILES, generate, train_cli, write_results  # noqa: E402
 
 
-def truth_scores(users: int, items: int, n: int, minimum: int, seed: int) -> np.ndarray:
-    """``log popularity + log P(rating >= 4)`` [users, items], replaying ``generate``."""
-    rng = np.random.default_rng(seed)
-    activity, popularity = rng.lognormal(0, 1.0, users), rng.lognormal(0, 1.3, items)
-    base = np.repeat(np.arange(users), minimum)
-    who = np.concatenate([base, rng.choice(users, n - len(base), p=activity / activity.sum())])
-    what = rng.choice(items, n, p=popularity / popularity.sum())
-    pairs = np.unique(np.stack([who, what], 1), axis=0)
-    rng.permutation(len(pairs))
-    bu, bi = rng.normal(0, 0.4, users), rng.normal(0, 0.5, items)
-    p, q = rng.normal(0, 0.5, (users, 8)), rng.normal(0, 0.5, (items, 8))
-    truth = 3.53 + bu[:, None] + bi[None, :] + 0.6 * p @ q.T
+def truth_scores(drawn) -> np.ndarray:
+    """``log popularity + log P(rating >= 4)`` [users, items] from ``generate``'s parameters."""
+    truth = (3.53 + drawn.user_bias[:, None] + drawn.item_bias[None, :]
+             + 0.6 * drawn.user_factors @ drawn.item_factors.T)
     # A star of 4 or 5 is truth + N(0, 0.8) >= 3.5 (rounding, then the clip at 5).
     z = (truth - 3.5) / (0.8 * math.sqrt(2))
     positive = 0.5 * (1 + np.vectorize(math.erf)(z))
-    return np.log(popularity)[None, :] + np.log(np.maximum(positive, 1e-300))
-
-
-def run(path: str, out_dir: str, flags: list[str]) -> dict:
-    start = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "jaxrec", "train", "--data", f"movielens:{path}",
-                    "--task", "retrieval", "--out-dir", out_dir, *flags], check=True,
-                   capture_output=True)
-    with open(os.path.join(out_dir, "metrics.json")) as f:
-        record = json.load(f)
-    return {"record": record, "seconds": round(time.perf_counter() - start, 1)}
+    return np.log(drawn.popularity)[None, :] + np.log(np.maximum(positive, 1e-300))
 
 
 def held_out(config: dict, path: str):
@@ -88,9 +68,9 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in FILES.items():
             path = os.path.join(tmp, f"{name}.data")
-            generate(path, *spec)
-            done = run(path, os.path.join(tmp, name), args.flags.split())
-            record = done["record"]
+            drawn = generate(path, *spec)
+            record, seconds = train_cli(path, os.path.join(tmp, name),
+                                        ["--task", "retrieval", *args.flags.split()])
             task, user_ids, item_ids = held_out(record["config"], path)
             test, k = task.test_batches, record["config"]["top_k"]
             # Popularity by ranking_metrics on the full matrix (an independent check); the
@@ -105,22 +85,16 @@ def main(argv=None) -> int:
                    "jaxrec_default": {**record["final"], "tested_step": record["test"]["step"],
                                       "steps": record["steps"],
                                       "early_stop": record["early_stop"], "flags": args.flags,
-                                      "seconds": done["seconds"]},
+                                      "seconds": seconds},
                    "popularity": record["data"]["popularity_test"]}
             row["popularity_by_ranking_metrics"] = ranking_metrics(
                 np.broadcast_to(counts, relevant.shape), relevant, k, exclude=exclude)
-            truth = truth_scores(*spec)[np.ix_(user_ids - 1, item_ids - 1)]
+            truth = truth_scores(drawn)[np.ix_(user_ids - 1, item_ids - 1)]
             row["generator_truth"] = evaluate(np.eye(len(user_ids), dtype=np.float32),
                                               truth.T.astype(np.float32), test, k)
             results["files"][name] = row
             print(name, json.dumps(row), flush=True)
-    import jax
-
-    import jaxrec
-    results.update(date=time.strftime("%Y-%m-%d"), jax=jax.__version__, jaxrec=jaxrec.__version__,
-                   device=jax.devices()[0].device_kind, cpu_count=os.cpu_count())
-    with open(args.out, "w") as f:
-        json.dump(results, f, indent=1)
+    write_results(results, args.out)
     return 0
 
 
