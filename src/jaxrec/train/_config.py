@@ -163,10 +163,10 @@ class TrainConfig:
                 isinstance(r, int) and r >= 1 for r in self.tt_ranks):
             raise ValueError(f"tt_ranks must be () or 1 to 3 ints >= 1, got {self.tt_ranks!r}")
         for name in ("batch_size", "embedding_dim", "max_rows", "eval_batches", "tt_min_rows"):
-            _positive(name, getattr(self, name))
+            _int_at_least(name, getattr(self, name))
         for name in ("steps", "epochs", "checkpoint_every", "eval_every"):
             if getattr(self, name) is not None:
-                _positive(name, getattr(self, name))
+                _int_at_least(name, getattr(self, name))
         if self.steps is None and self.epochs is None:
             raise ValueError("give steps or epochs (how long to train)")
         if self.steps is None and kind == "synthetic":
@@ -198,11 +198,10 @@ class TrainConfig:
             raise ValueError(f"val_fraction must be a number in [0, 1), got {self.val_fraction!r}: "
                              "pass e.g. --val-fraction 0.1 (a tenth of the training ratings), or "
                              "0 for no validation set")
-        if self.patience is not None and (isinstance(self.patience, bool) or not isinstance(
-                self.patience, int) or self.patience < 0):
-            raise ValueError(f"patience must be an int >= 0, got {self.patience!r}: pass the "
-                             "number of evaluations without improvement before the run stops "
-                             "(e.g. --patience 3), or 0 to never stop early")
+        if self.patience is not None:
+            _int_at_least("patience", self.patience, 0, "pass the number of evaluations without "
+                          "improvement before the run stops (e.g. --patience 3), or 0 to never "
+                          "stop early")
         if self.patience and not self.has_validation:
             raise ValueError(f"patience {self.patience} needs a validation set, and val_fraction "
                              "is 0: pass --val-fraction > 0 (e.g. 0.1), or --patience 0")
@@ -245,8 +244,7 @@ class TrainConfig:
             raise ValueError(f"temperature must be a finite number > 0, got {temperature!r}: "
                              f"pass e.g. --temperature {TEMPERATURE}")
         top_k = TOP_K if self.top_k is None else self.top_k
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-            raise ValueError(f"top_k must be an int >= 1, got {top_k!r}: pass e.g. --top-k 10")
+        _int_at_least("top_k", top_k, 1, "pass e.g. --top-k 10")
         for name, value in (("positive_threshold", float(threshold)), ("retrieval_loss", loss),
                             ("temperature", temperature), ("top_k", top_k)):
             object.__setattr__(self, name, value)
@@ -295,6 +293,6 @@ def _show(value) -> str:
     return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
 
-def _positive(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+def _int_at_least(name: str, value, minimum: int = 1, fix: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}" + (f": {fix}" if fix else ""))
