@@ -16,6 +16,7 @@
 
 #include "common/bounds_check.h"
 #include "common/ffi_util.h"
+#include "cuda/bounds_check_report.cuh"
 
 namespace jaxrec {
 namespace {
@@ -23,14 +24,7 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr int kBagsPerBlock = 8;
 
-// Report layout on the device: [0] corrections, [1] first bad bag (uint32),
-// [2..3] first bad id as the uint64 key (position << 32 | bag).
-struct Report {
-  int32_t corrections;
-  uint32_t first_bad_bag;
-  unsigned long long first_bad_index;
-};
-static_assert(sizeof(Report) == 16, "report is int32[4]");
+using Report = BoundsCheckReport;
 
 constexpr int kScanThreads = 1024;
 constexpr int kScanItems = 8;  // consecutive offsets per thread and tile
@@ -136,22 +130,13 @@ ffi::Error CudaError(cudaError_t err, const char* what) {
   } while (0)
 
 template <typename T>
-T ReadOne(const T* device_ptr, cudaStream_t stream) {
-  T value{};
-  cudaMemcpyAsync(&value, device_ptr, sizeof(T), cudaMemcpyDeviceToHost, stream);
-  cudaStreamSynchronize(stream);
-  return value;
-}
-
-template <typename T>
 ffi::Error BoundsCheck(cudaStream_t stream, const T* rows_per_table, int64_t num_features, T* indices,
                        int64_t num_indices, const T* offsets_in, T* offsets, int64_t num_bags,
                        BoundsCheckMode mode, std::string_view labels, Report* report) {
   const int64_t batch_size = num_features > 0 ? num_bags / num_features : 1;
   const T n = static_cast<T>(num_indices);
 
-  JAXREC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(report, 0xff, sizeof(Report), stream), "memset");
-  JAXREC_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(report, 0, sizeof(int32_t), stream), "memset");
+  JAXREC_CUDA_RETURN_IF_ERROR(ResetReport(report, mode, stream), "memset");
   if (mode == BoundsCheckMode::kFatal) {
     JAXREC_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(offsets, offsets_in, (num_bags + 1) * sizeof(T), cudaMemcpyDeviceToDevice, stream),
@@ -168,23 +153,8 @@ ffi::Error BoundsCheck(cudaStream_t stream, const T* rows_per_table, int64_t num
   JAXREC_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch");
   if (mode != BoundsCheckMode::kFatal) return ffi::Error::Success();
 
-  Report host{};
-  JAXREC_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(&host, report, sizeof(Report), cudaMemcpyDeviceToHost, stream),
-                              "report");
-  JAXREC_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream), "synchronize");
-  if (host.first_bad_bag != std::numeric_limits<uint32_t>::max()) {
-    const int64_t k = host.first_bad_bag;
-    return ffi::Error::InvalidArgument(BadOffsetsMessage(labels, batch_size, k,
-                                                         ReadOne(offsets_in + k, stream),
-                                                         ReadOne(offsets_in + k + 1, stream), num_indices));
-  }
-  if (host.first_bad_index != std::numeric_limits<unsigned long long>::max()) {
-    const int64_t p = static_cast<int64_t>(host.first_bad_index >> 32);
-    const int64_t k = static_cast<int64_t>(host.first_bad_index & 0xffffffffull);
-    return ffi::Error::InvalidArgument(BadIndexMessage(labels, batch_size, k, p, ReadOne(indices + p, stream),
-                                                       ReadOne(rows_per_table + k / batch_size, stream)));
-  }
-  return ffi::Error::Success();
+  return FatalReportError("bounds_check_indices", report, stream, labels, batch_size, num_indices, offsets_in,
+                          indices, rows_per_table);
 }
 
 ffi::Error BoundsCheckIndicesCuda(cudaStream_t stream, ffi::AnyBuffer rows_per_table,

@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace jaxrec {
 
@@ -139,10 +140,12 @@ __device__ __forceinline__ I LastRow(int64_t rows) {
   return static_cast<I>(rows - 1 > kMax ? kMax : rows - 1);
 }
 
-// `id` clamped into [0, hi]: a row of the table whatever the id.
+// Whether `id` is a row of a table whose last row is `last` (LastRow; the table has rows):
+// RowInRange's test in I's own width, one unsigned compare, for the hot loops.
 template <typename I>
-__device__ __forceinline__ I ClampId(I id, I hi) {
-  return id < I{0} ? I{0} : (id > hi ? hi : id);
+__device__ __forceinline__ bool IdInTable(I id, I last) {
+  using U = std::make_unsigned_t<I>;
+  return static_cast<U>(id) <= static_cast<U>(last);
 }
 
 }  // namespace jaxrec

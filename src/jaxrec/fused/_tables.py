@@ -30,9 +30,9 @@ import numpy as np
 
 from jaxrec import _step_guard
 from jaxrec.fused._update import _fused_update
-from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
-from jaxrec.ops.tbe import embedding_bag_lookup
-from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, as_pooling_mode, init_weights
+from jaxrec.ops.bounds_check import BoundsCheckMode
+from jaxrec.ops.tbe import corrected_for_gradients, forward_and_count, prepare_lookup, report_corrected
+from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, init_weights
 from jaxrec.optim import _configs as C
 from jaxrec.optim._state import buffer_fields, init_state, merge_optimizer_states, split_optimizer_states
 
@@ -134,59 +134,50 @@ def fused_lookup(tables: FusedEmbeddingTables, indices: jax.Array, offsets: jax.
     """
     if not isinstance(tables, FusedEmbeddingTables):
         raise TypeError(f"tables must be FusedEmbeddingTables, got {type(tables).__name__}")
-    layout = tables.layout
-    pooling = as_pooling_mode(pooling)
-    indices, offsets = jnp.asarray(indices), jnp.asarray(offsets)
-    checked = as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE
-    if checked:
-        indices, offsets, _ = bounds_check_indices(
-            layout.feature_rows, indices, offsets, bounds_check_mode, feature_names=feature_names,
-            table_names=table_names or [str(t) for t in layout.feature_table_map], backend=backend)
-    weighted = per_sample_weights is not None
-    psw = jnp.asarray(per_sample_weights) if weighted else jnp.zeros((0,), jnp.float32)
-    spec = _Spec(layout, tables.config, tables.name, pooling, jnp.dtype(output_dtype).name,
-                 weighted, backend, checked)
-    return _lookup(spec)(tables, psw, indices, offsets)
+    lookup, indices, offsets, psw = prepare_lookup(
+        tables.weights, indices, offsets, layout=tables.layout, pooling=pooling,
+        per_sample_weights=per_sample_weights, output_dtype=output_dtype,
+        bounds_check_mode=bounds_check_mode, backend=backend, feature_names=feature_names,
+        table_names=table_names)
+    out, num_corrected = forward_and_count(lookup, tables.weights, psw, indices, offsets)
+    out = _with_fused_update(_Spec(lookup, tables.config, tables.name))(tables, psw, indices, offsets, out)
+    report_corrected(lookup, num_corrected)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
 class _Spec:
-    layout: TableLayout
+    lookup: object  # jaxrec.ops.tbe's lookup config (prepare_lookup)
     config: C.OptimizerConfig
     name: str
-    pooling: PoolingMode
-    output_dtype: str
-    weighted: bool
-    backend: str
-    checked: bool  # the forward ran bounds_check_indices: offsets are already corrected
 
 
 @functools.cache
-def _lookup(spec: _Spec):
-    def forward_only(tables, psw, indices, offsets):
-        return embedding_bag_lookup(tables.weights, indices, offsets, layout=spec.layout,
-                                    pooling=spec.pooling,
-                                    per_sample_weights=psw if spec.weighted else None,
-                                    output_dtype=spec.output_dtype,
-                                    bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend)
+def _with_fused_update(spec: _Spec):
+    """``out`` itself, whose backward is the fused update of ``tables`` (module doc)."""
 
-    lookup = jax.custom_vjp(forward_only)
+    @jax.custom_vjp
+    def attach(tables, psw, indices, offsets, out):
+        return out
 
-    def forward(tables, psw, indices, offsets):
-        return forward_only(tables, psw, indices, offsets), (tables, psw, indices, offsets)
+    def forward(tables, psw, indices, offsets, out):
+        return out, (tables, psw, indices, offsets)
 
     def backward(residuals, grad_output):
         tables, psw, indices, offsets = residuals
         _record_update(spec.name)
+        # The ids and offsets as the forward read them (it checked them as it read).
+        indices, offsets = corrected_for_gradients(spec.lookup, indices, offsets)
         gate = _step_guard.table_gate(spec.name, grad_output)
         if gate is not None:  # gated off: every bag empty, so the kernel touches no row
             offsets = jnp.where(gate, offsets, jnp.zeros_like(offsets))
+        weighted = spec.lookup.weighted
         weights, state, grad_psw, nonfinite_rows = _fused_update(
-            tables.weights, tables.state, grad_output, indices, offsets, layout=spec.layout,
-            config=spec.config, hparams=tables.hparams, pooling=spec.pooling,
-            per_sample_weights=psw if spec.weighted else None,
-            bounds_check_mode=BoundsCheckMode.NONE, backend=spec.backend,
-            offsets_checked=spec.checked)  # the check ran in fused_lookup
+            tables.weights, tables.state, grad_output, indices, offsets, layout=tables.layout,
+            config=spec.config, hparams=tables.hparams, pooling=spec.lookup.pooling,
+            per_sample_weights=psw if weighted else None,
+            bounds_check_mode=BoundsCheckMode.NONE, backend=spec.lookup.backend,
+            offsets_checked=True)
         _step_guard.report_nonfinite_rows(nonfinite_rows)
         # The updated tables take the place of the gradient; the int step has none (its
         # increment is applied by fused_value_and_grad), nor do the hyperparameters.
@@ -194,10 +185,10 @@ def _lookup(spec: _Spec):
             tables, weights=weights,
             state=state._replace(step=np.zeros((), jax.dtypes.float0)),
             hparams=jax.tree.map(jnp.zeros_like, tables.hparams))
-        return updated, (grad_psw if spec.weighted else jnp.zeros_like(psw)), None, None
+        return updated, (grad_psw if weighted else jnp.zeros_like(psw)), None, None, None
 
-    lookup.defvjp(forward, backward)
-    return lookup
+    attach.defvjp(forward, backward)
+    return attach
 
 
 # --- which tables the backward updated, while fused_value_and_grad traces ------------

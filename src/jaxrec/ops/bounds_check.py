@@ -94,7 +94,7 @@ def bounds_check_indices(
     indices, offsets, rows = _validate(rows_per_table, indices, offsets)
     if mode == BoundsCheckMode.NONE:
         return BoundsCheckResult(indices, offsets, jnp.zeros((), jnp.int32))
-    labels = tuple(_labels(rows.shape[0], feature_names, table_names))
+    labels = tuple(feature_labels(rows.shape[0], feature_names, table_names))
     if mode == BoundsCheckMode.FATAL and _step_guard.active() is not None:
         # Inside a train step an error must not be raised while the step runs (its donated
         # buffers would be lost): correct as WARNING does, report, and let the step skip its
@@ -110,6 +110,17 @@ def bounds_check_indices(
     if mode == BoundsCheckMode.WARNING:
         _step_guard.report_corrected(result.num_corrected)
     return result
+
+
+def bounds_check_kernel(rows, indices, offsets, mode: BoundsCheckMode, labels: tuple[str, ...]):
+    """The check by the handler of the platform being compiled for: ``(indices, offsets,
+    num_corrected)``. For a kernel that takes checked input (the CPU lookup)."""
+    return _bounds_check(rows, indices, offsets, mode=mode, labels=labels, backend="kernel")
+
+
+def clip_rows(rows_per_table, dtype) -> np.ndarray:
+    """Row counts as ids of ``dtype`` can name them: an id can never reach a larger count."""
+    return np.minimum(np.asarray(rows_per_table, np.int64), np.iinfo(dtype).max)
 
 
 # jit caches the lowering per static configuration, so eager calls do not retrace.
@@ -250,7 +261,8 @@ def as_bounds_check_mode(mode) -> BoundsCheckMode:
         raise ValueError(f"bounds_check_mode must be one of {legal}; got {mode!r}") from None
 
 
-def _labels(num_features: int, feature_names, table_names) -> list[str]:
+def feature_labels(num_features: int, feature_names, table_names) -> list[str]:
+    """The FATAL messages' name of each feature: "feature 'f' of table 't'"."""
     for name, value in (("feature_names", feature_names), ("table_names", table_names)):
         if value is not None and len(value) != num_features:
             raise ValueError(f"{name} has {len(value)} entries but rows_per_table has "
@@ -280,8 +292,7 @@ def _validate(rows_per_table, indices, offsets):
         if rows_per_table.ndim != 1 or (rows_per_table < 0).any():
             raise ValueError(f"rows_per_table must be a 1-D list of row counts >= 0, got "
                              f"{rows_per_table.tolist()}")
-        # An id of the indices dtype can never reach a larger row count.
-        rows_per_table = np.minimum(rows_per_table, np.iinfo(indices.dtype).max)
+        rows_per_table = clip_rows(rows_per_table, indices.dtype)
     rows = jnp.asarray(rows_per_table, dtype=indices.dtype)
     num_features, num_bags = rows.shape[0], offsets.shape[0] - 1
     if (num_features == 0 and num_bags) or (num_features and num_bags % num_features):

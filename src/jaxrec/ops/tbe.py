@@ -23,6 +23,12 @@ the output is ``sum_p w_p * row_p / L``, and jaxrec differentiates exactly that:
 uniform about the 1/L there). ``embedding_bag_sparse_grad`` (tbe_sparse_grad.py)
 gives the same gradient as unique rows and their summed gradients.
 
+The bounds check (``bounds_check_mode``, FBGEMM's modes; default WARNING) is done by the
+CUDA forward kernel as it reads the ids, with the corrections, WARNING's count and
+FATAL's message of ``bounds_check_indices``; the gradients apply the same correction
+in jnp where they read the ids. On the CPU and in the reference the lookup runs
+``bounds_check_indices`` first (docs/bounds_check.md, "Where the check runs").
+
 No bounds-check mode reads or writes outside a feature's own table. With
 ``bounds_check_mode="NONE"`` (docs/bounds_check.md, "What NONE does with a bad id"):
 an id outside ``[0, rows)`` of its feature's table contributes nothing (no row is
@@ -47,12 +53,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrec import _ffi
-from jaxrec.ops.bounds_check import (
-    BoundsCheckMode,
-    as_bounds_check_mode,
-    bounds_check_indices,
-)
+from jaxrec import _ffi, _step_guard
+from jaxrec.ops import bounds_check as bc
+from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode
 from jaxrec.ops.tbe_layout import (
     PoolingMode,
     TableLayout,
@@ -104,15 +107,51 @@ def embedding_bag_lookup(
       feature_names, table_names: ``[T]`` names of the features and of their tables, for
         FATAL's message (default: their indices).
     """
+    config, indices, offsets, per_sample_weights = prepare_lookup(
+        weights, indices, offsets, layout=layout, pooling=pooling, per_sample_weights=per_sample_weights,
+        output_dtype=output_dtype, bounds_check_mode=bounds_check_mode, backend=backend,
+        feature_names=feature_names, table_names=table_names)
+    out, num_corrected = lookup_and_count(config)(weights, per_sample_weights, indices, offsets)
+    report_corrected(config, num_corrected)
+    return out
+
+
+def prepare_lookup(weights, indices, offsets, *, layout, pooling, per_sample_weights, output_dtype,
+                   bounds_check_mode, backend, feature_names, table_names):
+    """Validates a lookup and settles its bounds check: ``(config, indices, offsets,
+    per_sample_weights)`` for ``lookup_and_count(config)`` (``embedding_bag_lookup`` and
+    ``jaxrec.fused.fused_lookup`` share it)."""
     config, indices, offsets, per_sample_weights = _validate(
         weights, indices, offsets, layout, pooling, per_sample_weights, output_dtype, backend)
-    checked = as_bounds_check_mode(bounds_check_mode) != BoundsCheckMode.NONE
-    if checked:
-        indices, offsets, _ = bounds_check_indices(
-            layout.feature_rows, indices, offsets, bounds_check_mode, feature_names=feature_names,
+    mode = as_bounds_check_mode(bounds_check_mode)
+    labels = tuple(bc.feature_labels(layout.num_features, feature_names,
+                                     table_names or [str(t) for t in layout.feature_table_map]))
+    if mode == BoundsCheckMode.FATAL and _step_guard.active() is not None:
+        # Inside a train step FATAL must not raise while the step runs: bounds_check_indices
+        # records the finding for the step and corrects as IGNORE; nothing is left to find.
+        indices, offsets, _ = bc.bounds_check_indices(
+            layout.feature_rows, indices, offsets, mode, feature_names=feature_names,
             table_names=table_names or [str(t) for t in layout.feature_table_map], backend=backend)
-    config = dataclasses.replace(config, offsets_checked=checked)
-    return _lookup(config)(weights, per_sample_weights, indices, offsets)
+        mode = BoundsCheckMode.IGNORE
+    return (dataclasses.replace(config, bounds_check_mode=mode, labels=labels), indices, offsets,
+            per_sample_weights)
+
+
+def report_corrected(config: _Config, num_corrected: jax.Array) -> None:
+    """WARNING's count, into the running train step's statistics (jaxrec._step_guard)."""
+    if config.bounds_check_mode == BoundsCheckMode.WARNING:
+        _step_guard.report_corrected(num_corrected)
+
+
+def corrected_for_gradients(config: _Config, indices, offsets):
+    """The ids and offsets the gradients read: the checked modes' correction (IGNORE's, in
+    jnp; FATAL's forward has passed, so it changes nothing), else NONE's clamped offsets."""
+    if config.bounds_check_mode == BoundsCheckMode.NONE:
+        return indices, clamp_offsets(offsets, indices.shape[0])
+    rows = jnp.asarray(bc.clip_rows(config.layout.feature_rows, indices.dtype), indices.dtype)
+    indices, offsets, _ = bc.bounds_check_indices_reference(rows, indices, offsets,
+                                                            BoundsCheckMode.IGNORE, ())
+    return indices, offsets
 
 
 # --- custom_vjp over the kernels ---------------------------------------------------
@@ -125,35 +164,56 @@ class _Config:
     output_dtype: str
     weighted: bool
     backend: str
-    offsets_checked: bool = False  # by bounds_check_indices: already clamped, non-decreasing
+    bounds_check_mode: BoundsCheckMode = BoundsCheckMode.NONE
+    labels: tuple[str, ...] = ()  # one per feature, for FATAL's message
+
+
+def lookup_and_count(config: _Config):
+    """The lookup ``(weights, per_sample_weights, indices, offsets) -> (output,
+    num_corrected)``; ``num_corrected`` is WARNING's count (int32), outside autodiff."""
+
+    def lookup(weights, per_sample_weights, indices, offsets):
+        out, num_corrected = forward_and_count(config, weights, per_sample_weights, indices, offsets)
+        return _with_gradient(config)(weights, per_sample_weights, indices, offsets, out), num_corrected
+
+    return lookup
+
+
+def forward_and_count(config: _Config, weights, per_sample_weights, indices, offsets):
+    """The forward kernel (or reference) on values that autodiff does not trace, so that its
+    integer count is a plain value; a ``custom_vjp`` then attaches the gradient to the
+    output (``_with_gradient``, ``jaxrec.fused``)."""
+    weights, per_sample_weights = jax.lax.stop_gradient((weights, per_sample_weights))
+    return _ffi.dispatch({"cpu": functools.partial(_forward_kernel_cpu, config),
+                          "cuda": functools.partial(_forward_kernel_cuda, config)},
+                         functools.partial(_forward_reference, config),
+                         weights, per_sample_weights, indices, offsets, backend=config.backend)
 
 
 @functools.cache
-def _lookup(config: _Config):
-    @jax.custom_vjp
-    def lookup(weights, per_sample_weights, indices, offsets):
-        return _ffi.dispatch({"cpu": functools.partial(_forward_kernel_cpu, config),
-                              "cuda": functools.partial(_forward_kernel_cuda, config)},
-                             functools.partial(_forward_reference, config),
-                             weights, per_sample_weights, indices, offsets, backend=config.backend)
+def _with_gradient(config: _Config):
+    """``out`` itself, with the lookup's gradient with respect to the weights and the
+    per-sample weights."""
 
-    def forward(weights, per_sample_weights, indices, offsets):
-        out = lookup(weights, per_sample_weights, indices, offsets)
+    @jax.custom_vjp
+    def attach(weights, per_sample_weights, indices, offsets, out):
+        return out
+
+    def forward(weights, per_sample_weights, indices, offsets, out):
         return out, (weights, per_sample_weights, indices, offsets)
 
     def backward(residuals, grad_output):
         weights, per_sample_weights, indices, offsets = residuals
-        if not config.offsets_checked:  # NONE: the gradients take the corrected offsets
-            offsets = clamp_offsets(offsets, indices.shape[0])
+        indices, offsets = corrected_for_gradients(config, indices, offsets)
         grad_weights, grad_psw = _ffi.dispatch(
             {"cpu": functools.partial(_backward_kernel_cpu, config),
              "cuda": functools.partial(_backward_kernel_cuda, config)},
             functools.partial(_backward_reference, config),
             grad_output, weights, per_sample_weights, indices, offsets, backend=config.backend)
-        return grad_weights.astype(weights.dtype), grad_psw, None, None
+        return grad_weights.astype(weights.dtype), grad_psw, None, None, None
 
-    lookup.defvjp(forward, backward)
-    return lookup
+    attach.defvjp(forward, backward)
+    return attach
 
 
 def _output_shape(config: _Config, indices, offsets) -> tuple[int, int]:
@@ -162,23 +222,40 @@ def _output_shape(config: _Config, indices, offsets) -> tuple[int, int]:
     return (offsets.shape[0] - 1) // config.layout.num_features, config.layout.total_dim
 
 
+def _no_count():
+    return jnp.zeros((), jnp.int32)
+
+
 def _forward_kernel_cpu(config: _Config, weights, per_sample_weights, indices, offsets):
-    if not config.offsets_checked:  # the CPU handlers take corrected offsets only
-        offsets = clamp_offsets(offsets, indices.shape[0])
+    # The CPU handler takes corrected offsets only: bounds_check_indices' CPU kernel first.
+    mode = config.bounds_check_mode
+    if mode == BoundsCheckMode.NONE:
+        offsets, num_corrected = clamp_offsets(offsets, indices.shape[0]), _no_count()
+    else:
+        rows = jnp.asarray(bc.clip_rows(config.layout.feature_rows, indices.dtype), indices.dtype)
+        indices, offsets, num_corrected = bc.bounds_check_kernel(rows, indices, offsets, mode,
+                                                                 config.labels)
     out = jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype)
     call = jax.ffi.ffi_call("jaxrec_tbe_forward", out, vmap_method="sequential")
-    return call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
-                pooling=np.int32(config.pooling))
+    out = call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
+               pooling=np.int32(config.pooling))
+    return out, num_corrected
 
 
 def _forward_kernel_cuda(config: _Config, weights, per_sample_weights, indices, offsets):
-    out = jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype)
+    # The check runs in the forward kernel (csrc/cuda/tbe_forward.cu); report[0] is WARNING's count.
+    results = (jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype),
+               jax.ShapeDtypeStruct((4,), jnp.int32))
     batch_size = (offsets.shape[0] - 1) // config.layout.num_features
     schedule = _warp_schedule(config.layout.feature_dims, batch_size)
-    call = jax.ffi.ffi_call("jaxrec_tbe_forward", out, vmap_method="sequential")
-    return call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
-                jnp.asarray(schedule), pooling=np.int32(config.pooling),
-                num_warps=np.int64(schedule[config.layout.num_features]))
+    call = jax.ffi.ffi_call("jaxrec_tbe_forward", results, vmap_method="sequential")
+    out, report = call(weights, indices, offsets, per_sample_weights, jnp.asarray(config.layout.packed()),
+                       jnp.asarray(schedule), pooling=np.int32(config.pooling),
+                       num_warps=np.int64(schedule[config.layout.num_features]),
+                       bounds_check_mode=np.int32(config.bounds_check_mode),
+                       labels="\n".join(config.labels))
+    warning = config.bounds_check_mode == BoundsCheckMode.WARNING
+    return out, (report[0] if warning else _no_count())
 
 
 @functools.cache
@@ -195,10 +272,16 @@ def _warp_schedule(dims: tuple[int, ...], batch_size: int) -> np.ndarray:
 
 
 def _forward_reference(config: _Config, weights, per_sample_weights, indices, offsets):
-    return embedding_bag_reference(
+    mode, num_corrected = config.bounds_check_mode, _no_count()
+    if mode != BoundsCheckMode.NONE:
+        rows = jnp.asarray(bc.clip_rows(config.layout.feature_rows, indices.dtype), indices.dtype)
+        indices, offsets, num_corrected = bc.bounds_check_indices_reference(
+            rows, indices, offsets, mode, config.labels)
+    out = embedding_bag_reference(
         weights, indices, clamp_offsets(offsets, indices.shape[0]),
         per_sample_weights if config.weighted else None,
         layout=config.layout, pooling=config.pooling, output_dtype=config.output_dtype)
+    return out, num_corrected
 
 
 def _grad_shapes(weights, per_sample_weights):
@@ -229,8 +312,10 @@ def _backward_kernel_cuda(config: _Config, grad_output, weights, per_sample_weig
 
 
 def _backward_reference(config: _Config, grad_output, weights, per_sample_weights, indices, offsets):
+    unchecked = dataclasses.replace(config, bounds_check_mode=BoundsCheckMode.NONE)  # corrected already
+
     def f(w, psw):
-        return _forward_reference(config, w, psw, indices, offsets)
+        return _forward_reference(unchecked, w, psw, indices, offsets)[0]
 
     _, vjp = jax.vjp(f, weights.astype(jnp.float32), per_sample_weights)
     grad_weights, grad_psw = vjp(grad_output.astype(config.output_dtype))

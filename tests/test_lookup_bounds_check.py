@@ -1,0 +1,115 @@
+"""The lookup's own bounds check (in the CUDA forward kernel as it reads the ids; the
+standalone op first on the CPU) against ``bounds_check_indices`` followed by an
+unchecked lookup, on random corrupted input: the same output, gradients, WARNING count
+and FATAL message."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from bounds_testing import random_case
+
+from jaxrec.ops import BoundsCheckMode, PoolingMode, TableLayout, bounds_check_indices, embedding_bag_lookup
+from jaxrec.ops.tbe import lookup_and_count, prepare_lookup
+
+
+def layout_for(rng, rows, pooling):
+    dims = [8] * len(rows) if pooling == PoolingMode.NONE else rng.choice([3, 4, 8, 12, 36], size=len(rows))
+    return TableLayout(rows=tuple(int(r) for r in rows), dims=tuple(int(d) for d in dims),
+                       feature_table_map=tuple(range(len(rows))))
+
+
+def checked_lookup(weights, indices, offsets, psw, *, layout, pooling, mode):
+    """``(output, num_corrected)`` of the lookup with its own check."""
+    config, indices, offsets, psw = prepare_lookup(
+        weights, indices, offsets, layout=layout, pooling=pooling, per_sample_weights=psw,
+        output_dtype=jnp.float32, bounds_check_mode=mode, backend="auto", feature_names=None,
+        table_names=None)
+    return lookup_and_count(config)(weights, psw, indices, offsets)
+
+
+def standalone_then_lookup(weights, indices, offsets, psw, *, layout, pooling, mode):
+    """The standalone op's correction, then a lookup that checks nothing (the jnp reference)."""
+    fixed = bounds_check_indices(layout.feature_rows, indices, offsets, mode, backend="reference")
+    out = embedding_bag_lookup(weights, fixed.indices, fixed.offsets, layout=layout, pooling=pooling,
+                               per_sample_weights=psw, bounds_check_mode="NONE", backend="reference")
+    return out, fixed.num_corrected
+
+
+def long_decreasing_case(rng):
+    """More bags than the CUDA correction's tile (1024), with offsets that decrease."""
+    rows = np.array([40, 7, 300])
+    batch_size = 700
+    lengths = rng.integers(0, 4, size=3 * batch_size)
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    indices = rng.integers(-5, 60, size=int(offsets[-1]) + 3).astype(np.int32)
+    offsets[[5, 1100, 1900]] = [offsets[5] + 40, offsets[1100] - 30, -2]
+    return rows, indices, offsets
+
+
+@pytest.mark.parametrize("pooling", [PoolingMode.SUM, PoolingMode.MEAN, PoolingMode.NONE])
+@pytest.mark.parametrize("mode", [BoundsCheckMode.WARNING, BoundsCheckMode.IGNORE])
+def test_lookup_corrects_and_counts_as_the_standalone_op(platform, mode, pooling):
+    rng = np.random.default_rng(10 * int(mode) + int(pooling))
+    cases = [random_case(rng) for _ in range(12)] + [long_decreasing_case(rng)]
+    for rows, indices, offsets in cases:
+        layout = layout_for(rng, rows, pooling)
+        weights = jnp.asarray(rng.normal(size=layout.num_weights), jnp.float32)
+        psw = None if pooling == PoolingMode.NONE else jnp.asarray(rng.normal(size=indices.shape), jnp.float32)
+        kwargs = dict(layout=layout, pooling=pooling, mode=mode)
+        got, got_count = jax.jit(lambda w, p, i, o, kw=kwargs: checked_lookup(w, i, o, p, **kw))(
+            weights, psw, indices, offsets)
+        want, want_count = standalone_then_lookup(weights, indices, offsets, psw, **kwargs)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert int(got_count) == (int(want_count) if mode == BoundsCheckMode.WARNING else 0)
+
+        # The gradients read the ids and offsets as the forward corrected them.
+        cotangent = jnp.asarray(rng.normal(size=want.shape), jnp.float32)
+        grads = [jax.vjp(lambda w, p, f=f, i=indices, o=offsets, kw=kwargs: f(w, i, o, p, **kw)[0],
+                         weights, psw)[1](cotangent)
+                 for f in (checked_lookup, standalone_then_lookup)]
+        for got_grad, want_grad in zip(*grads):
+            if want_grad is not None:
+                np.testing.assert_allclose(got_grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+def test_fatal_raises_the_standalone_ops_message(platform):
+    rng = np.random.default_rng(7)
+    found = 0
+    for _ in range(30):
+        rows, indices, offsets = random_case(rng)
+        layout = layout_for(rng, rows, PoolingMode.SUM)
+        weights = jnp.asarray(rng.normal(size=layout.num_weights), jnp.float32)
+        try:
+            bounds_check_indices(layout.feature_rows, indices, offsets, "FATAL", backend="reference",
+                                 table_names=["0"] * len(rows))
+            message = None
+        except Exception as error:  # the reference raises where the computation runs
+            message = re.search(r"bounds_check_indices \(FATAL\).*", str(error)).group(0)
+        lookup = jax.jit(lambda w, i, o, layout=layout: embedding_bag_lookup(
+            w, i, o, layout=layout, bounds_check_mode="FATAL"))
+        if message is None:
+            want = embedding_bag_lookup(weights, indices, offsets, layout=layout, bounds_check_mode="NONE",
+                                        backend="reference")
+            np.testing.assert_allclose(lookup(weights, indices, offsets), want, rtol=1e-5, atol=1e-5)
+            continue
+        found += 1
+        with pytest.raises(Exception, match=re.escape(message)):
+            jax.block_until_ready(lookup(weights, indices, offsets))
+    assert found >= 10  # most random cases are corrupt
+
+
+def test_a_table_without_rows(platform):
+    """Every id of an empty table is bad: counted, and its bags pool nothing."""
+    layout = TableLayout(rows=(0, 5), dims=(4, 4), feature_table_map=(0, 1))
+    weights = jnp.arange(layout.num_weights, dtype=jnp.float32) + 1.0
+    indices = jnp.array([0, 3, 2, 4, 9], jnp.int32)
+    offsets = jnp.array([0, 2, 2, 4, 5], jnp.int32)
+    out, count = jax.jit(lambda w, i, o: checked_lookup(w, i, o, None, layout=layout, pooling=PoolingMode.SUM,
+                                                        mode=BoundsCheckMode.WARNING))(weights, indices, offsets)
+    want, want_count = standalone_then_lookup(weights, indices, offsets, None, layout=layout,
+                                              pooling=PoolingMode.SUM, mode=BoundsCheckMode.WARNING)
+    np.testing.assert_array_equal(out, want)
+    assert int(count) == int(want_count) == 3
