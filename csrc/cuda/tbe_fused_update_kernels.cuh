@@ -190,7 +190,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   ua.step = static_cast<float>(new_step);
   ua.dim = static_cast<float>(row.dim);
   ua.weight_decay_mode = a.weight_decay_mode;
-  UpdateRow<kKind>(row, ua, s1_row, s2_row);
+  UpdateRowIn<kKind>(a.kind, row, ua, s1_row, s2_row);
 
   // Stochastic rounding first, so that the check sees the values that would be stored;
   // the row keeps its old values if one would not be finite.
@@ -247,8 +247,10 @@ void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
 }  // namespace fused_update
 }  // namespace jaxrec
 
-// LaunchFused for optimizer `kind` (an OptimizerKind) and every weight and index dtype.
+// LaunchFused for the kernel of optimizer `kind` (an OptimizerKind that is its own
+// KernelOf) and every weight and index dtype.
 #define JAXREC_INSTANTIATE_FUSED_UPDATE(kind)                                                    \
+  static_assert(KernelOf(kind) == kind, "instantiate the kernel that KernelOf names");           \
   template void LaunchFused<kind, float, int32_t>(const Launch&, int, const FusedArgs&);         \
   template void LaunchFused<kind, float, int64_t>(const Launch&, int, const FusedArgs&);         \
   template void LaunchFused<kind, __half, int32_t>(const Launch&, int, const FusedArgs&);        \
