@@ -48,6 +48,7 @@ using fused_update::kMaxChunks;
 using fused_update::kWindow;
 using fused_update::Launch;
 using fused_update::LaunchFused;
+using fused_update::LaunchWindowHeads;
 
 constexpr std::string_view kOp = "jaxrec_tbe_fused_update";
 
@@ -149,6 +150,7 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
         if (ffi::Error e = Check(cudaGetLastError(), "per-sample weight gradients"); e.failure()) return e;
       }
       return DispatchOptimizer(optimizer, [&](auto kind) {
+        LaunchWindowHeads<I>(l, chunks, a);
         LaunchFused<KernelOf(decltype(kind)::value), W, I>(l, chunks, a);
         return Check(cudaGetLastError(), "fused update");
       });

@@ -94,7 +94,7 @@ struct FusedArgs {
 struct Launch {
   cudaStream_t stream;
   unsigned blocks;
-  unsigned window_blocks;  // of WindowHeads
+  unsigned window_blocks;  // of WindowHeads (LaunchWindowHeads)
   const float* grad;
   void* weights;
   const void* indices;
@@ -109,6 +109,12 @@ struct Launch {
 // columns. Instantiated by the two kernel units.
 template <OptimizerKind kKind, typename W, typename I>
 void LaunchFused(const Launch& l, int chunks, const FusedArgs& a);
+
+// Launches step 1's kernel of window heads (tbe_fused_update_kernels.cuh) when a.partials is
+// set; before LaunchFused, on the same stream. It depends on neither the optimizer nor the
+// weights: instantiated once, by tbe_fused_update_rowwise.cu.
+template <typename I>
+void LaunchWindowHeads(const Launch& l, int chunks, const FusedArgs& a);
 
 }  // namespace fused_update
 }  // namespace jaxrec

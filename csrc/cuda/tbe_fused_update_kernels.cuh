@@ -1,6 +1,7 @@
-// The fused update's kernels (see tbe_fused_update.cu for the algorithm) and
-// LaunchFused's definition, included by the units that instantiate it for their
-// optimizers (JAXREC_INSTANTIATE_FUSED_UPDATE).
+// The fused update's kernels (see tbe_fused_update.cu for the algorithm) and the
+// definitions of LaunchFused and LaunchWindowHeads, included by the units that instantiate
+// them: LaunchFused for their optimizers (JAXREC_INSTANTIATE_FUSED_UPDATE), LaunchWindowHeads
+// in tbe_fused_update_rowwise.cu alone.
 #pragma once
 
 #include <cstdint>
@@ -224,23 +225,35 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
 
 template <OptimizerKind kKind, typename W, typename I>
 void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
-  const auto launch = [&](auto heads, auto kernel) {
-    if (a.partials != nullptr) {
-      heads<<<l.window_blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
-          l.grad, static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
-          static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
-    }
+  const auto launch = [&](auto kernel) {
     kernel<<<l.blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
         l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.indices),
         static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
         static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
   };
   if (chunks <= 1) {
-    launch(WindowHeads<1, I>, FusedUpdate<kKind, 1, W, I>);
+    launch(FusedUpdate<kKind, 1, W, I>);
   } else if (chunks <= 4) {
-    launch(WindowHeads<4, I>, FusedUpdate<kKind, 4, W, I>);
+    launch(FusedUpdate<kKind, 4, W, I>);
   } else {
-    launch(WindowHeads<kMaxChunks, I>, FusedUpdate<kKind, kMaxChunks, W, I>);
+    launch(FusedUpdate<kKind, kMaxChunks, W, I>);
+  }
+}
+
+template <typename I>
+void LaunchWindowHeads(const Launch& l, int chunks, const FusedArgs& a) {
+  if (a.partials == nullptr) return;
+  const auto launch = [&](auto heads) {
+    heads<<<l.window_blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
+        l.grad, static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
+        static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
+  };
+  if (chunks <= 1) {
+    launch(WindowHeads<1, I>);
+  } else if (chunks <= 4) {
+    launch(WindowHeads<4, I>);
+  } else {
+    launch(WindowHeads<kMaxChunks, I>);
   }
 }
 
