@@ -86,6 +86,46 @@ ffi::Error DispatchOptimizer(int32_t optimizer, Fn&& fn) {
   return ffi::Error::InvalidArgument("optimizer must be in [0, 7], got " + std::to_string(optimizer));
 }
 
+// Optimizers whose state has the same layout share a kernel (CPU and CUDA), which
+// switches on the optimizer, once per row, for the row math alone (UpdateRowIn): LAMB
+// runs in Adam's kernel, partial rowwise LAMB in partial rowwise Adam's, LARS-SGD in
+// Adagrad's. That cuts the kernels' instantiations (most of the build time); the loads
+// and stores of a row are those of its layout either way. KernelOf(k) is the kernel that
+// updates optimizer k; KernelPartner(k) the other optimizer that kernel k runs (k itself
+// when it runs one).
+JAXREC_HOST_DEVICE constexpr OptimizerKind KernelOf(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::kLamb:
+      return OptimizerKind::kAdam;
+    case OptimizerKind::kPartialRowWiseLamb:
+      return OptimizerKind::kPartialRowWiseAdam;
+    case OptimizerKind::kLarsSgd:
+      return OptimizerKind::kAdagrad;
+    default:
+      return k;
+  }
+}
+JAXREC_HOST_DEVICE constexpr OptimizerKind KernelPartner(OptimizerKind k) {
+  switch (k) {
+    case OptimizerKind::kAdam:
+      return OptimizerKind::kLamb;
+    case OptimizerKind::kPartialRowWiseAdam:
+      return OptimizerKind::kPartialRowWiseLamb;
+    case OptimizerKind::kAdagrad:
+      return OptimizerKind::kLarsSgd;
+    default:
+      return k;
+  }
+}
+JAXREC_HOST_DEVICE constexpr bool SameStateLayout(OptimizerKind a, OptimizerKind b) {
+  return NumStates(a) == NumStates(b) && State1PerRow(a) == State1PerRow(b) &&
+         State2PerRow(a) == State2PerRow(b);
+}
+static_assert(SameStateLayout(OptimizerKind::kLamb, OptimizerKind::kAdam) &&
+                  SameStateLayout(OptimizerKind::kPartialRowWiseLamb, OptimizerKind::kPartialRowWiseAdam) &&
+                  SameStateLayout(OptimizerKind::kLarsSgd, OptimizerKind::kAdagrad),
+              "a shared kernel loads and stores one state layout for both of its optimizers");
+
 struct RowUpdateArgs {
   Hyperparams h;
   float step;  // t: the step after the increment (1 on the first update)
@@ -180,6 +220,21 @@ JAXREC_HOST_DEVICE void UpdateRow(Row& row, const RowUpdateArgs& a, float& s1_ro
       const float scale = h.max_norm / norm;
       for (int i = 0; i < n; ++i) row.w[i] *= scale;
     }
+  }
+}
+
+// UpdateRow of optimizer `kind` in kernel kKernel (KernelOf(kind) == kKernel).
+template <OptimizerKind kKernel, typename Row>
+JAXREC_HOST_DEVICE void UpdateRowIn(OptimizerKind kind, Row& row, const RowUpdateArgs& a, float& s1_row,
+                                    float& s2_row) {
+  if constexpr (constexpr OptimizerKind kPartner = KernelPartner(kKernel); kPartner != kKernel) {
+    if (kind == kPartner) {  // on a GPU uniform: the whole grid runs one optimizer
+      UpdateRow<kPartner>(row, a, s1_row, s2_row);
+    } else {
+      UpdateRow<kKernel>(row, a, s1_row, s2_row);
+    }
+  } else {
+    UpdateRow<kKernel>(row, a, s1_row, s2_row);
   }
 }
 

@@ -41,7 +41,6 @@
 #include <limits>
 #include <string>
 #include <string_view>
-#include <type_traits>
 #include <vector>
 
 #include "common/ffi_util.h"
@@ -73,9 +72,10 @@ struct CpuRow {
   bool All(bool ok) const { return ok; }
 };
 
-// A state result buffer; its dtype is switched on once per row, not per element.
-struct StateBuffer {
-  void* data;  // nullptr when the optimizer has no such state
+// A result buffer of runtime dtype (the weights, a state); its dtype is switched on once
+// per row, not per element.
+struct FloatBuffer {
+  void* data;  // nullptr for a state the optimizer does not have
   ffi::DataType dtype;
 };
 
@@ -89,8 +89,8 @@ JAXREC_ALWAYS_INLINE void StoreRow(const float* __restrict src, int64_t n, T* __
   for (int64_t i = 0; i < n; ++i) dst[i] = FromFloat<T>(src[i]);
 }
 
-// Elements [start, start + n) of a state buffer as float32, and back (round to nearest).
-JAXREC_ALWAYS_INLINE void LoadState(const StateBuffer& s, int64_t start, int64_t n, float* dst) {
+// Elements [start, start + n) of a buffer as float32, and back (round to nearest).
+JAXREC_ALWAYS_INLINE void LoadFloats(const FloatBuffer& s, int64_t start, int64_t n, float* dst) {
   switch (s.dtype) {
     case ffi::DataType::F32:
       return LoadRow(static_cast<const float*>(s.data) + start, n, dst);
@@ -101,7 +101,7 @@ JAXREC_ALWAYS_INLINE void LoadState(const StateBuffer& s, int64_t start, int64_t
   }
 }
 
-JAXREC_ALWAYS_INLINE void StoreState(const StateBuffer& s, int64_t start, int64_t n, const float* src) {
+JAXREC_ALWAYS_INLINE void StoreFloats(const FloatBuffer& s, int64_t start, int64_t n, const float* src) {
   switch (s.dtype) {
     case ffi::DataType::F32:
       return StoreRow(src, n, static_cast<float*>(s.data) + start);
@@ -112,7 +112,7 @@ JAXREC_ALWAYS_INLINE void StoreState(const StateBuffer& s, int64_t start, int64_
   }
 }
 
-JAXREC_ALWAYS_INLINE void PrefetchState(const StateBuffer& s, int64_t start, int64_t n) {
+JAXREC_ALWAYS_INLINE void PrefetchFloats(const FloatBuffer& s, int64_t start, int64_t n) {
   if (s.data == nullptr) return;
   const int64_t width = s.dtype == ffi::DataType::F32 ? 4 : 2;
   PrefetchBytes(static_cast<const char*>(s.data) + start * width, n * width);
@@ -133,8 +133,9 @@ struct UpdateArgs {
   int64_t total_dim;
   int64_t max_dim;
   PoolingMode pooling;
-  void* weights;  // the result buffer, updated in place
-  StateBuffer state1, state2;
+  OptimizerKind kind;   // its kernel is KernelOf(kind)
+  FloatBuffer weights;  // the result buffer, updated in place
+  FloatBuffer state1, state2;
   float* grad_per_sample_weights;  // nullptr when not weighted
   RowUpdateArgs row_args;          // its dim is set per row
   bool stochastic_rounding;
@@ -145,7 +146,9 @@ struct UpdateArgs {
 
 // Updates the rows whose runs start in sorted entries [begin, end); returns how many were
 // kept because their update would not stay finite. `scratch` holds 4 * max_dim floats.
-template <OptimizerKind kKind, typename W, typename I>
+// One instantiation per kernel (KernelOf) and index type: the optimizer of a shared kernel
+// and the weights' dtype are switched on once per row.
+template <OptimizerKind kKind, typename I>
 JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
   constexpr I kSentinel = std::numeric_limits<I>::max();
   constexpr bool kState1 = NumStates(kKind) >= 1, kState2 = NumStates(kKind) >= 2;
@@ -156,7 +159,6 @@ JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, i
   const TbeLayout& l = a.layout;
   const int64_t n = a.num_sorted, B = a.batch_size;
   const bool pooled = a.pooling != PoolingMode::kNone, mean = a.pooling == PoolingMode::kMean;
-  W* const weights = static_cast<W*>(a.weights);
   float* __restrict w = scratch;
   float* __restrict g = w + a.max_dim;
   float* __restrict s1 = g + a.max_dim;
@@ -185,9 +187,9 @@ JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, i
     const int64_t start = row_start(i, &dim);
     PrefetchBytes(grad_row(positions[i], bags[i], dim), dim * static_cast<int64_t>(sizeof(float)));
     if (keys[i] == keys[i - 1]) return;
-    PrefetchBytes(weights + start, dim * static_cast<int64_t>(sizeof(W)));
-    if constexpr (kState1) PrefetchState(a.state1, kRow1 ? keys[i] : start, kRow1 ? 1 : dim);
-    if constexpr (kState2) PrefetchState(a.state2, kRow2 ? keys[i] : start, kRow2 ? 1 : dim);
+    PrefetchFloats(a.weights, start, dim);
+    if constexpr (kState1) PrefetchFloats(a.state1, kRow1 ? keys[i] : start, kRow1 ? 1 : dim);
+    if constexpr (kState2) PrefetchFloats(a.state2, kRow2 ? keys[i] : start, kRow2 ? 1 : dim);
   };
 
   int64_t kept = 0;
@@ -201,8 +203,7 @@ JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, i
     }
     int64_t dim;
     const int64_t start = row_start(i, &dim);
-    W* __restrict wrow = weights + start;
-    LoadRow(wrow, dim, w);
+    LoadFloats(a.weights, start, dim, w);
     std::fill(g, g + dim, 0.0f);
 
     // The run's gradient, in sorted order; the per-sample-weight gradient from the old row.
@@ -228,19 +229,17 @@ JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, i
 
     // The optimizer step on the row, then the stores.
     float s1_row = 0.0f, s2_row = 0.0f;
-    if constexpr (kState1) LoadState(a.state1, kRow1 ? key : start, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
-    if constexpr (kState2) LoadState(a.state2, kRow2 ? key : start, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
+    if constexpr (kState1) LoadFloats(a.state1, kRow1 ? key : start, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
+    if constexpr (kState2) LoadFloats(a.state2, kRow2 ? key : start, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
     CpuRow row{w, g, s1, s2, static_cast<int>(dim)};
     RowUpdateArgs args = a.row_args;
     args.dim = static_cast<float>(dim);
-    UpdateRow<kKind>(row, args, s1_row, s2_row);
+    UpdateRowIn<kKind>(a.kind, row, args, s1_row, s2_row);
 
-    if constexpr (!std::is_same_v<W, float>) {
-      if (a.stochastic_rounding) {
-        constexpr int kDrop = std::is_same_v<W, BFloat16> ? 16 : 13;
-        for (int64_t d = 0; d < dim; ++d) {
-          w[d] = StochasticRound(w[d], RoundingBits(a.seed, a.step, key, d), kDrop);
-        }
+    if (a.stochastic_rounding && a.weights.dtype != ffi::DataType::F32) {
+      const int drop = a.weights.dtype == ffi::DataType::BF16 ? 16 : 13;
+      for (int64_t d = 0; d < dim; ++d) {
+        w[d] = StochasticRound(w[d], RoundingBits(a.seed, a.step, key, d), drop);
       }
     }
     if (!RowStaysFinite<kKind>(row, s1_row, s2_row, a.limits)) {  // the row keeps its old values
@@ -248,55 +247,55 @@ JAXREC_ALWAYS_INLINE int64_t UpdateItem(const UpdateArgs<I>& a, int64_t begin, i
       i = j;
       continue;
     }
-    StoreRow(w, dim, wrow);
-    if constexpr (kState1) StoreState(a.state1, kRow1 ? key : start, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
-    if constexpr (kState2) StoreState(a.state2, kRow2 ? key : start, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
+    StoreFloats(a.weights, start, dim, w);
+    if constexpr (kState1) StoreFloats(a.state1, kRow1 ? key : start, kRow1 ? 1 : dim, kRow1 ? &s1_row : s1);
+    if constexpr (kState2) StoreFloats(a.state2, kRow2 ? key : start, kRow2 ? 1 : dim, kRow2 ? &s2_row : s2);
     i = j;
   }
   return kept;
 }
 
-template <OptimizerKind kKind, typename W, typename I>
+template <OptimizerKind kKind, typename I>
 int64_t UpdateItemBaseline(const UpdateArgs<I>& a, int64_t begin, int64_t end, float* scratch) {
-  return UpdateItem<kKind, W, I>(a, begin, end, scratch);
+  return UpdateItem<kKind, I>(a, begin, end, scratch);
 }
 #if JAXREC_HAS_ISA_CLONES
-template <OptimizerKind kKind, typename W, typename I>
+template <OptimizerKind kKind, typename I>
 JAXREC_TARGET_AVX2 int64_t UpdateItemAvx2(const UpdateArgs<I>& a, int64_t begin, int64_t end,
                                           float* scratch) {
-  return UpdateItem<kKind, W, I>(a, begin, end, scratch);
+  return UpdateItem<kKind, I>(a, begin, end, scratch);
 }
-template <OptimizerKind kKind, typename W, typename I>
+template <OptimizerKind kKind, typename I>
 JAXREC_TARGET_AVX512 int64_t UpdateItemAvx512(const UpdateArgs<I>& a, int64_t begin, int64_t end,
                                               float* scratch) {
-  return UpdateItem<kKind, W, I>(a, begin, end, scratch);
+  return UpdateItem<kKind, I>(a, begin, end, scratch);
 }
 #endif
 
-template <OptimizerKind kKind, typename W, typename I>
+template <OptimizerKind kKind, typename I>
 auto SelectUpdateItem() {
 #if JAXREC_HAS_ISA_CLONES
   switch (CpuIsa()) {
     case Isa::kAvx512:
-      return &UpdateItemAvx512<kKind, W, I>;
+      return &UpdateItemAvx512<kKind, I>;
     case Isa::kAvx2:
-      return &UpdateItemAvx2<kKind, W, I>;
+      return &UpdateItemAvx2<kKind, I>;
     case Isa::kBaseline:
       break;
   }
 #endif
-  return &UpdateItemBaseline<kKind, W, I>;
+  return &UpdateItemBaseline<kKind, I>;
 }
 
 // Returns the number of rows kept because their update would not stay finite.
-template <OptimizerKind kKind, typename W, typename I>
+template <OptimizerKind kKind, typename I>
 int64_t FusedUpdate(ffi::ThreadPool& pool, const UpdateArgs<I>& a) {
   if (a.grad_per_sample_weights != nullptr) {  // positions outside bags stay 0
     std::memset(a.grad_per_sample_weights, 0, a.num_sorted * sizeof(float));
   }
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t item = std::clamp<int64_t>(a.num_sorted / (4 * threads), kMinItem, kMaxItem);
-  const auto item_fn = SelectUpdateItem<kKind, W, I>();
+  const auto item_fn = SelectUpdateItem<kKind, I>();
   std::atomic<int64_t> kept{0};
   ParallelFor(pool, (a.num_sorted + item - 1) / item, [&](int64_t k) {
     thread_local std::vector<float> scratch;
@@ -393,7 +392,8 @@ ffi::Error TbeFusedUpdateCpu(
           problem.total_dim,
           problem.max_dim,
           problem.pooling,
-          weights_out->untyped_data(),
+          kKind,
+          {weights_out->untyped_data(), weights.element_type()},
           {NumStates(kKind) >= 1 ? state1_out->untyped_data() : nullptr, state1.element_type()},
           {NumStates(kKind) >= 2 ? state2_out->untyped_data() : nullptr, state2.element_type()},
           problem.weighted ? grad_per_sample_weights->typed_data<float>() : nullptr,
@@ -404,8 +404,9 @@ ffi::Error TbeFusedUpdateCpu(
           static_cast<uint32_t>(t),
           {FiniteLimit(weights.element_type()), FiniteLimit(state1.element_type()),
            FiniteLimit(state2.element_type())}};
-      return DispatchFloatType<Half, BFloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
-        const int64_t kept = FusedUpdate<kKind, decltype(weight_zero), I>(pool, args);
+      // The weights' dtype is checked again (ValidateLookup did); UpdateItem switches on it per row.
+      return DispatchFloatType<Half, BFloat16>(weights.element_type(), "weights", [&](auto) {
+        const int64_t kept = FusedUpdate<KernelOf(kKind), I>(pool, args);
         nonfinite_rows->typed_data<int32_t>()[0] =
             static_cast<int32_t>(std::min<int64_t>(kept, std::numeric_limits<int32_t>::max()));
         return ffi::Error::Success();

@@ -48,6 +48,7 @@ using fused_update::kMaxChunks;
 using fused_update::kWindow;
 using fused_update::Launch;
 using fused_update::LaunchFused;
+using fused_update::LaunchWindowHeads;
 
 constexpr std::string_view kOp = "jaxrec_tbe_fused_update";
 
@@ -86,6 +87,7 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   FusedArgs a;
   BackwardArgs& ga = a.grad;
   ga = MakeBackwardArgs(batch, grad, per_sample_weights);
+  a.kind = static_cast<OptimizerKind>(optimizer);  // validated: one of the kinds
   a.hparams = hparams.typed_data<float>();
   a.step = step.typed_data<int32_t>();
   a.state1 = {state1_out->untyped_data(), state1.element_type()};
@@ -148,7 +150,8 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
         if (ffi::Error e = Check(cudaGetLastError(), "per-sample weight gradients"); e.failure()) return e;
       }
       return DispatchOptimizer(optimizer, [&](auto kind) {
-        LaunchFused<decltype(kind)::value, W, I>(l, chunks, a);
+        LaunchWindowHeads<I>(l, chunks, a);
+        LaunchFused<KernelOf(decltype(kind)::value), W, I>(l, chunks, a);
         return Check(cudaGetLastError(), "fused update");
       });
     });

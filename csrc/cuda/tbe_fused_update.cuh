@@ -78,6 +78,7 @@ struct StateBuffer {
 
 struct FusedArgs {
   BackwardArgs grad;
+  OptimizerKind kind;    // the optimizer; its kernel is KernelOf(kind)
   const float* hparams;  // float32[9], device
   const int32_t* step;   // updates so far, device
   StateBuffer state1, state2;
@@ -93,7 +94,7 @@ struct FusedArgs {
 struct Launch {
   cudaStream_t stream;
   unsigned blocks;
-  unsigned window_blocks;  // of WindowHeads
+  unsigned window_blocks;  // of WindowHeads (LaunchWindowHeads)
   const float* grad;
   void* weights;
   const void* indices;
@@ -103,10 +104,17 @@ struct Launch {
   const void* sorted_bags;
 };
 
-// Launches the fused update of optimizer kKind (tbe_fused_update_kernels.cuh) on weights W
-// and ids I, for rows of up to 128 * chunks columns. Instantiated by the two kernel units.
+// Launches kernel kKind of the fused update (tbe_fused_update_kernels.cuh), for optimizer
+// a.kind (KernelOf(a.kind) == kKind), on weights W and ids I, for rows of up to 128 * chunks
+// columns. Instantiated by the two kernel units.
 template <OptimizerKind kKind, typename W, typename I>
 void LaunchFused(const Launch& l, int chunks, const FusedArgs& a);
+
+// Launches step 1's kernel of window heads (tbe_fused_update_kernels.cuh) when a.partials is
+// set; before LaunchFused, on the same stream. It depends on neither the optimizer nor the
+// weights: instantiated once, by tbe_fused_update_rowwise.cu.
+template <typename I>
+void LaunchWindowHeads(const Launch& l, int chunks, const FusedArgs& a);
 
 }  // namespace fused_update
 }  // namespace jaxrec

@@ -1,6 +1,7 @@
-// The fused update's kernels (see tbe_fused_update.cu for the algorithm) and
-// LaunchFused's definition, included by the units that instantiate it for their
-// optimizers (JAXREC_INSTANTIATE_FUSED_UPDATE).
+// The fused update's kernels (see tbe_fused_update.cu for the algorithm) and the
+// definitions of LaunchFused and LaunchWindowHeads, included by the units that instantiate
+// them: LaunchFused for their optimizers (JAXREC_INSTANTIATE_FUSED_UPDATE), LaunchWindowHeads
+// in tbe_fused_update_rowwise.cu alone.
 #pragma once
 
 #include <cstdint>
@@ -190,7 +191,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   ua.step = static_cast<float>(new_step);
   ua.dim = static_cast<float>(row.dim);
   ua.weight_decay_mode = a.weight_decay_mode;
-  UpdateRow<kKind>(row, ua, s1_row, s2_row);
+  UpdateRowIn<kKind>(a.kind, row, ua, s1_row, s2_row);
 
   // Stochastic rounding first, so that the check sees the values that would be stored;
   // the row keeps its old values if one would not be finite.
@@ -224,31 +225,45 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
 
 template <OptimizerKind kKind, typename W, typename I>
 void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
-  const auto launch = [&](auto heads, auto kernel) {
-    if (a.partials != nullptr) {
-      heads<<<l.window_blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
-          l.grad, static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
-          static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
-    }
+  const auto launch = [&](auto kernel) {
     kernel<<<l.blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
         l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.indices),
         static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
         static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
   };
   if (chunks <= 1) {
-    launch(WindowHeads<1, I>, FusedUpdate<kKind, 1, W, I>);
+    launch(FusedUpdate<kKind, 1, W, I>);
   } else if (chunks <= 4) {
-    launch(WindowHeads<4, I>, FusedUpdate<kKind, 4, W, I>);
+    launch(FusedUpdate<kKind, 4, W, I>);
   } else {
-    launch(WindowHeads<kMaxChunks, I>, FusedUpdate<kKind, kMaxChunks, W, I>);
+    launch(FusedUpdate<kKind, kMaxChunks, W, I>);
+  }
+}
+
+template <typename I>
+void LaunchWindowHeads(const Launch& l, int chunks, const FusedArgs& a) {
+  if (a.partials == nullptr) return;
+  const auto launch = [&](auto heads) {
+    heads<<<l.window_blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
+        l.grad, static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
+        static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
+  };
+  if (chunks <= 1) {
+    launch(WindowHeads<1, I>);
+  } else if (chunks <= 4) {
+    launch(WindowHeads<4, I>);
+  } else {
+    launch(WindowHeads<kMaxChunks, I>);
   }
 }
 
 }  // namespace fused_update
 }  // namespace jaxrec
 
-// LaunchFused for optimizer `kind` (an OptimizerKind) and every weight and index dtype.
+// LaunchFused for the kernel of optimizer `kind` (an OptimizerKind that is its own
+// KernelOf) and every weight and index dtype.
 #define JAXREC_INSTANTIATE_FUSED_UPDATE(kind)                                                    \
+  static_assert(KernelOf(kind) == kind, "instantiate the kernel that KernelOf names");           \
   template void LaunchFused<kind, float, int32_t>(const Launch&, int, const FusedArgs&);         \
   template void LaunchFused<kind, float, int64_t>(const Launch&, int, const FusedArgs&);         \
   template void LaunchFused<kind, __half, int32_t>(const Launch&, int, const FusedArgs&);        \
