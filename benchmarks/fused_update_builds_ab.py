@@ -3,11 +3,13 @@
     python benchmarks/fused_update_builds_ab.py OUT.json          # under each build in turn
 
 ``jaxrec.fused.fused_update`` (weights and state donated, bounds check NONE) for SGD,
-rowwise Adagrad and Adam at the shape of issue 20's table (T=32 tables of E=1e6 rows,
+rowwise Adagrad, Adam, Adagrad and LAMB at the shape of issue 20's table (T=32 tables of E=1e6 rows,
 D=128, B=4096, L=20 uniform ids with duplicates, fp32): median of 5 repeats of 20
 back-to-back calls after 8 warm-up calls, rotating among 4 id sets. It checks that the
 weights stay finite. Used for the kept-row check (csrc/common/fused_optimizer.h,
-``RowStaysFinite``): benchmarks/results/fused_update_nonfinite_check_h100_2026-11-26.json.
+``RowStaysFinite``): benchmarks/results/fused_update_nonfinite_check_h100_2026-11-26.json, and
+for the kernels that optimizers of one state layout share (``KernelOf``):
+benchmarks/results/fused_update_shared_kernels_<device>_<date>.json.
 """
 import json
 import statistics
@@ -29,8 +31,10 @@ ids = [jnp.asarray(rng.integers(0, E, T * B * L).astype(np.int32)) for _ in rang
 offsets = jnp.arange(T * B + 1, dtype=jnp.int32) * L
 g = jnp.asarray(rng.normal(size=(B, T * D)).astype(np.float32))
 res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ms": {}}
-for name, cfg in [("sgd", optim.SGD(learning_rate=0.01)), ("rowwise_adagrad", optim.RowWiseAdagrad(learning_rate=0.01)),
-                  ("adam", optim.Adam(learning_rate=0.01))]:
+CONFIGS = [("sgd", optim.SGD(learning_rate=0.01)), ("rowwise_adagrad", optim.RowWiseAdagrad(learning_rate=0.01)),
+           ("adam", optim.Adam(learning_rate=0.01)), ("adagrad", optim.Adagrad(learning_rate=0.01)),
+           ("lamb", optim.LAMB(learning_rate=0.01))]
+for name, cfg in CONFIGS:
     w = jax.random.uniform(jax.random.key(1), (layout.num_weights,), jnp.float32, -0.1, 0.1)
     s = optim.init_state(cfg, layout)
     step = jax.jit(lambda w, s, i, cfg=cfg: fused_update(w, s, g, i, offsets, layout=layout, config=cfg,

@@ -86,11 +86,13 @@ def forward(platform: str) -> Call:
     operands = dict(weights=WEIGHTS, indices=INDICES, offsets=OFFSETS, per_sample_weights=PSW,
                     layout=packed_layout())
     attrs = dict(pooling=np.int32(SUM))
-    if platform == "cuda":
+    results = dict(output=f32(B, TOTAL_DIM))
+    if platform == "cuda":  # the CUDA forward also checks bounds as it reads (ops/tbe.py)
         schedule = warp_schedule()
         operands["schedule"] = schedule
-        attrs["num_warps"] = np.int64(schedule[len(DIMS)])
-    return Call("jaxrec_tbe_forward", operands, dict(output=f32(B, TOTAL_DIM)), attrs)
+        results["report"] = jax.ShapeDtypeStruct((4,), np.int32)
+        attrs.update(num_warps=np.int64(schedule[len(DIMS)]), bounds_check_mode=np.int32(3), labels="")
+    return Call("jaxrec_tbe_forward", operands, results, attrs)
 
 
 def backward(platform: str) -> Call:

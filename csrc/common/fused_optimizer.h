@@ -86,19 +86,16 @@ ffi::Error DispatchOptimizer(int32_t optimizer, Fn&& fn) {
   return ffi::Error::InvalidArgument("optimizer must be in [0, 7], got " + std::to_string(optimizer));
 }
 
-// Optimizers whose state has the same layout share a kernel (CPU and CUDA), which
-// switches on the optimizer, once per row, for the row math alone (UpdateRowIn): LAMB
-// runs in Adam's kernel, partial rowwise LAMB in partial rowwise Adam's, LARS-SGD in
-// Adagrad's. That cuts the kernels' instantiations (most of the build time); the loads
-// and stores of a row are those of its layout either way. KernelOf(k) is the kernel that
+// Optimizers whose state has the same layout may share a kernel (CPU and CUDA), which
+// switches on the optimizer, once per row, for the row math alone (UpdateRowIn): LARS-SGD
+// runs in Adagrad's kernel, at Adagrad's speed (benchmarks/fused_update_builds_ab.py).
+// That cuts the kernels' instantiations (most of the build time); the loads and stores
+// of a row are those of its layout either way. Not Adam's family: LAMB in Adam's kernel
+// made Adam 12% slower on the GPU (H200), so each keeps its own. KernelOf(k) is the kernel that
 // updates optimizer k; KernelPartner(k) the other optimizer that kernel k runs (k itself
 // when it runs one).
 JAXREC_HOST_DEVICE constexpr OptimizerKind KernelOf(OptimizerKind k) {
   switch (k) {
-    case OptimizerKind::kLamb:
-      return OptimizerKind::kAdam;
-    case OptimizerKind::kPartialRowWiseLamb:
-      return OptimizerKind::kPartialRowWiseAdam;
     case OptimizerKind::kLarsSgd:
       return OptimizerKind::kAdagrad;
     default:
@@ -107,10 +104,6 @@ JAXREC_HOST_DEVICE constexpr OptimizerKind KernelOf(OptimizerKind k) {
 }
 JAXREC_HOST_DEVICE constexpr OptimizerKind KernelPartner(OptimizerKind k) {
   switch (k) {
-    case OptimizerKind::kAdam:
-      return OptimizerKind::kLamb;
-    case OptimizerKind::kPartialRowWiseAdam:
-      return OptimizerKind::kPartialRowWiseLamb;
     case OptimizerKind::kAdagrad:
       return OptimizerKind::kLarsSgd;
     default:

@@ -69,6 +69,13 @@ ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBu
       e.failure()) {
     return e;
   }
+  if (grad_psw != nullptr) {  // 0 wherever no bag reads the position: all of them for an empty batch
+    if (ffi::Error e =
+            Check(cudaMemsetAsync(grad_psw, 0, args.num_indices * sizeof(float), stream), "memset");
+        e.failure()) {
+      return e;
+    }
+  }
   const unsigned blocks = static_cast<unsigned>((args.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (blocks == 0 || args.batch_size == 0) return ffi::Error::Success();
   RowGradients<G, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
@@ -77,11 +84,6 @@ ffi::Error Run(cudaStream_t stream, const ffi::AnyBuffer& grad, const ffi::AnyBu
       grad_weights, args);
   if (ffi::Error e = Check(cudaGetLastError(), "row gradients"); e.failure()) return e;
   if (grad_psw != nullptr) {
-    if (ffi::Error e =
-            Check(cudaMemsetAsync(grad_psw, 0, args.num_indices * sizeof(float), stream), "memset");
-        e.failure()) {
-      return e;
-    }
     PerSampleWeightGradients<G, W, I><<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(
         reinterpret_cast<const G*>(grad.untyped_data()), reinterpret_cast<const W*>(weights.untyped_data()),
         indices.typed_data<I>(), offsets.typed_data<I>(), grad_psw, args);

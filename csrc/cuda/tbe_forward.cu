@@ -12,15 +12,18 @@
 // The bounds check is done here, as the ids are read, for every mode
 // (common/bounds_check.h): NONE pools the rare bag with a bad id again over its valid
 // ids only (PoolValidIds4); WARNING and IGNORE keep row 0 for it (FBGEMM's correction)
-// and WARNING counts it; FATAL flags it, FindFirstBad names the first bad bag or id and
-// the handler raises. The corrected offsets are max-scans of the clamped ones; each bag
-// clamps its own, which is the same whenever the clamped offsets do not decrease. When
-// they do (bad input only), the bag says so and RedoUnsortedBags computes every bag again
-// with the exact correction. Both are one-block kernels that return at once when no bag
-// flagged anything: the price of the check on good input is their launch.
+// and WARNING counts it; FATAL flags it and the handler raises. The corrected offsets
+// are max-scans of the clamped ones; each bag clamps its own, which is the same whenever
+// the clamped offsets do not decrease. When they do (bad input only), the bag flags it.
+// The last block to finish (a ticket in g_tally) writes the report, and only when a bag
+// flagged unsorted offsets does more, alone: every bag again with the exact correction
+// (RedoUnsortedBags). So on good input WARNING and IGNORE cost a compare per id and one
+// atomic per block: no memset, no extra launch. FATAL, which waits for its report
+// anyway, runs FindFirstBad after the lookup to name the first bad bag or id.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -50,18 +53,27 @@ struct ForwardArgs : TbeLayout {
   BoundsCheckReport* report;  // nullptr under NONE
 };
 
-// What a bag found (rare), noted by one lane of its group: WARNING counts the bad bag
-// and ids (`bad`), FATAL flags that there is something to report (FinishBoundsCheck
-// finds the first bad bag or id), and WARNING or IGNORE flag clamped offsets that
-// decrease (`unsorted`: FinishBoundsCheck computes the lookup again).
-__device__ __forceinline__ void NoteBad(BoundsCheckMode mode, BoundsCheckReport* report, int32_t bad,
-                                        bool unsorted) {
+// What the blocks of the running checked forward found, per device: each call starts
+// with it zero and its last block sets it back to zero. This assumes one checked forward
+// at a time per device, as XLA runs them (one compute stream, and these handlers are not
+// captured in command buffers).
+constexpr uint32_t kUnsorted = 1;    // WARNING, IGNORE: clamped offsets decrease somewhere
+constexpr uint32_t kFatalFound = 2;  // FATAL: a bad bag or id
+struct CheckTally {
+  unsigned int blocks_done;
+  int32_t corrections;  // WARNING
+  uint32_t flags;
+};
+__device__ CheckTally g_tally;
+
+// What a bag found (rare), noted by one lane of its group.
+__device__ __forceinline__ void NoteBad(BoundsCheckMode mode, int32_t bad, bool unsorted) {
   if (mode == BoundsCheckMode::kFatal) {
-    if (bad > 0) report->corrections = 1;
+    if (bad > 0) atomicOr(&g_tally.flags, kFatalFound);
     return;
   }
-  if (unsorted) report->first_bad_bag = 1;
-  if (mode == BoundsCheckMode::kWarning && bad > 0) atomicAdd(&report->corrections, bad);
+  if (unsorted) atomicOr(&g_tally.flags, kUnsorted);
+  if (mode == BoundsCheckMode::kWarning && bad > 0) atomicAdd(&g_tally.corrections, bad);
 }
 
 // The bag's weighted sum of columns [c, c + 4) for 4-aligned rows, a bad id loading row
@@ -114,11 +126,12 @@ __device__ __forceinline__ float4 PoolValidIds4(const W* __restrict__ table, con
   return acc;
 }
 
-// kSequence: PoolingMode::kNone, one output row per index position.
+// The bag of this lane's group: its output columns, and what it found. kSequence:
+// PoolingMode::kNone, one output row per index position.
 template <typename W, typename O, typename I, bool kSequence>
-__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
-    TbeForwardKernel(const W* __restrict__ weights, const I* __restrict__ indices,
-                     const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
+__device__ __forceinline__ void LookupBag(const W* __restrict__ weights, const I* __restrict__ indices,
+                                          const I* __restrict__ offsets, O* __restrict__ out,
+                                          const ForwardArgs& args) {
   const int32_t warp = blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
   if (warp >= args.num_warps) return;
   const int lane = threadIdx.x % kWarpSize;
@@ -143,7 +156,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
     unsorted = ClampOffset(raw_end, n) < start;
     bad = args.mode == BoundsCheckMode::kFatal || IsBadBag(bag == 0 ? raw_start : start, raw_end, n);
     if (args.mode == BoundsCheckMode::kFatal) {
-      if (group_lane == 0) NoteBad(args.mode, args.report, bad, unsorted);
+      if (group_lane == 0) NoteBad(args.mode, bad, unsorted);
       return;
     }
   }
@@ -207,10 +220,10 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
       }
     }
   }
-  if (checked && group_lane == 0 && (bad > 0 || unsorted)) NoteBad(args.mode, args.report, bad, unsorted);
+  if (checked && group_lane == 0 && (bad > 0 || unsorted)) NoteBad(args.mode, bad, unsorted);
 }
 
-constexpr int kRedoThreads = 1024;
+constexpr int kThreads = kWarpsPerBlock * kWarpSize;
 
 // Inclusive max-scan over the block of one value per thread; every thread must call it.
 template <typename I>
@@ -224,13 +237,13 @@ __device__ I BlockInclusiveMax(I value, I* warp_max) {
   if (lane == kWarpSize - 1) warp_max[warp] = value;
   __syncthreads();
   if (warp == 0) {
-    I total = warp_max[lane];
+    I total = lane < kWarpsPerBlock ? warp_max[lane] : I{0};
 #pragma unroll
     for (int s = 1; s < kWarpSize; s *= 2) {
       const I other = __shfl_up_sync(0xffffffff, total, s);
       if (lane >= s && other > total) total = other;
     }
-    warp_max[lane] = total;
+    if (lane < kWarpsPerBlock) warp_max[lane] = total;
   }
   __syncthreads();
   if (warp > 0 && warp_max[warp - 1] > value) value = warp_max[warp - 1];
@@ -280,41 +293,39 @@ __device__ void RedoBag(const W* __restrict__ weights, const I* __restrict__ ind
   }
 }
 
-// WARNING and IGNORE, after TbeForwardKernel: nothing unless a bag saw its clamped
-// offsets decrease. Then the whole lookup again, in one block, with the corrected
-// offsets max-scanned tile by tile, and WARNING's count recounted exactly. Bad input
-// only, so it is written for clarity, not speed.
+// WARNING and IGNORE with unsorted offsets, by the last block alone: the whole lookup
+// again with the corrected offsets max-scanned tile by tile, and WARNING's count
+// recounted exactly. Bad input only, so it is written for clarity, not speed.
 template <typename W, typename O, typename I, bool kSequence>
-__global__ void __launch_bounds__(kRedoThreads)
-    RedoUnsortedBags(const W* __restrict__ weights, const I* __restrict__ indices,
-                     const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
-  if (args.report->first_bad_bag == 0) return;
-  __shared__ I corrected[kRedoThreads + 1];
-  __shared__ I warp_max[kWarpSize];
+__device__ void RedoUnsortedBags(const W* __restrict__ weights, const I* __restrict__ indices,
+                                 const I* __restrict__ offsets, O* __restrict__ out,
+                                 const ForwardArgs& args) {
+  __shared__ I corrected[kThreads + 1];
+  __shared__ I warp_max[kWarpsPerBlock];
+  __shared__ int32_t total;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t num_bags = args.batch_size * args.num_features;
   const I n = static_cast<I>(args.num_indices);
   if constexpr (kSequence) {
-    for (int64_t i = threadIdx.x; i < args.num_indices * args.total_dim; i += kRedoThreads) {
+    for (int64_t i = threadIdx.x; i < args.num_indices * args.total_dim; i += kThreads)
       out[i] = FromFloat<O>(0.f);
-    }
   }
-  if (threadIdx.x == 0) args.report->corrections = 0;
+  if (threadIdx.x == 0) total = 0;
   __syncthreads();
   int32_t count = 0;
   I carry = 0;  // corrected[tile - 1]; every clamped offset is >= 0
-  for (int64_t tile = 0; tile < num_bags; tile += kRedoThreads) {
+  for (int64_t tile = 0; tile < num_bags; tile += kThreads) {
     const int64_t k = tile + threadIdx.x;
     I value = BlockInclusiveMax(k <= num_bags ? ClampOffset(offsets[k], n) : I{0}, warp_max);
     if (carry > value) value = carry;
     corrected[threadIdx.x] = value;
-    if (threadIdx.x == kRedoThreads - 1) {
+    if (threadIdx.x == kThreads - 1) {
       const I next = k + 1 <= num_bags ? ClampOffset(offsets[k + 1], n) : I{0};
-      corrected[kRedoThreads] = next > value ? next : value;
+      corrected[kThreads] = next > value ? next : value;
     }
     __syncthreads();
-    carry = corrected[kRedoThreads - 1];
-    for (int j = warp; j < kRedoThreads && tile + j < num_bags; j += kRedoThreads / kWarpSize) {
+    carry = corrected[kThreads - 1];
+    for (int j = warp; j < kThreads && tile + j < num_bags; j += kWarpsPerBlock) {
       const int64_t bag = tile + j;
       if (lane == 0 && args.mode == BoundsCheckMode::kWarning &&
           IsBadBag(bag == 0 ? offsets[0] : corrected[j], offsets[bag + 1], n)) {
@@ -325,21 +336,72 @@ __global__ void __launch_bounds__(kRedoThreads)
     }
     __syncthreads();  // corrected is written again by the next tile
   }
-  if (count > 0) atomicAdd(&args.report->corrections, count);
+  if (count > 0) atomicAdd(&total, count);
+  __syncthreads();
+  if (threadIdx.x == 0) args.report->corrections = total;
 }
 
-// FATAL, after TbeForwardKernel: nothing unless a bag flagged a bad offset or id. Then the
-// first bad bag and the first bad id (by position), as bounds_check_indices finds them,
-// for the handler's error. Bad input only, in one block.
+// The last block to finish: the report from the tally (and the rare extra work), then
+// the tally back to zero for the next call.
+template <typename W, typename O, typename I, bool kSequence>
+__device__ __forceinline__ void FinishCheck(const W* __restrict__ weights, const I* __restrict__ indices,
+                                            const I* __restrict__ offsets, O* __restrict__ out,
+                                            const ForwardArgs& args) {
+  __threadfence();  // see every other block's notes
+  const volatile CheckTally* tally = &g_tally;
+  const uint32_t flags = tally->flags;
+  const int32_t corrections = tally->corrections;
+  BoundsCheckReport* report = args.report;
+  if (threadIdx.x == 0) {  // FATAL: corrections = 1 tells FindFirstBad there is something to find
+    report->corrections = args.mode == BoundsCheckMode::kWarning ? corrections
+                          : args.mode == BoundsCheckMode::kFatal
+                              ? static_cast<int32_t>((flags & kFatalFound) != 0)
+                              : 0;
+    report->first_bad_bag = std::numeric_limits<uint32_t>::max();
+    report->first_bad_index = std::numeric_limits<unsigned long long>::max();
+  }
+  __syncthreads();
+  if (args.mode != BoundsCheckMode::kFatal && (flags & kUnsorted)) {
+    RedoUnsortedBags<W, O, I, kSequence>(weights, indices, offsets, out, args);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    g_tally.corrections = 0;
+    g_tally.flags = 0;
+    __threadfence();
+    g_tally.blocks_done = 0;
+  }
+}
+
+template <typename W, typename O, typename I, bool kSequence>
+__global__ void __launch_bounds__(kThreads)
+    TbeForwardKernel(const W* __restrict__ weights, const I* __restrict__ indices,
+                     const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
+  LookupBag<W, O, I, kSequence>(weights, indices, offsets, out, args);
+  if (args.mode == BoundsCheckMode::kNone) return;
+  __shared__ bool last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();  // this block's notes before its ticket
+    last = atomicAdd(&g_tally.blocks_done, 1) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (last) FinishCheck<W, O, I, kSequence>(weights, indices, offsets, out, args);
+}
+
+// FATAL, after TbeForwardKernel (the handler then waits for the report): nothing unless
+// a bag flagged a bad offset or id; then the first bad bag and the first bad id (by
+// position), as bounds_check_indices finds them, for the handler's error. A kernel of
+// its own, not the last block's work, which would raise the forward's registers.
 template <typename I>
-__global__ void __launch_bounds__(kRedoThreads)
+__global__ void __launch_bounds__(kThreads)
     FindFirstBad(const I* __restrict__ indices, const I* __restrict__ offsets, ForwardArgs args) {
   BoundsCheckReport* report = args.report;
   if (report->corrections == 0) return;
   const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
   const int64_t num_bags = args.batch_size * args.num_features;
   const I n = static_cast<I>(args.num_indices);
-  for (int64_t bag = warp; bag < num_bags; bag += kRedoThreads / kWarpSize) {
+  for (int64_t bag = warp; bag < num_bags; bag += kWarpsPerBlock) {
     const I start = offsets[bag], end = offsets[bag + 1];
     if (IsBadBag(start, end, n)) {
       if (lane == 0) atomicMin(&report->first_bad_bag, static_cast<uint32_t>(bag));
@@ -366,22 +428,16 @@ ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi:
     cudaError_t err = cudaMemsetAsync(out->untyped_data(), 0, out->size_bytes(), stream);
     if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
   }
-  if (args.report != nullptr) {
-    cudaError_t err = ResetReport(args.report, args.mode, stream);
-    if (err != cudaSuccess) return ffi::Error::Internal(cudaGetErrorString(err));
-  }
   const W* w = reinterpret_cast<const W*>(weights.untyped_data());
   O* o = reinterpret_cast<O*>(out->untyped_data());
-  if (blocks > 0) {
+  // A checked lookup always runs a block: the last one to finish writes the report.
+  const unsigned grid = args.report != nullptr && blocks == 0 ? 1 : blocks;
+  if (grid > 0) {
     auto kernel = sequence ? TbeForwardKernel<W, O, I, true> : TbeForwardKernel<W, O, I, false>;
-    kernel<<<blocks, kWarpsPerBlock * kWarpSize, 0, stream>>>(w, indices.typed_data<I>(),
-                                                              offsets.typed_data<I>(), o, args);
+    kernel<<<grid, kThreads, 0, stream>>>(w, indices.typed_data<I>(), offsets.typed_data<I>(), o, args);
   }
-  if (args.mode == BoundsCheckMode::kWarning || args.mode == BoundsCheckMode::kIgnore) {
-    auto redo = sequence ? RedoUnsortedBags<W, O, I, true> : RedoUnsortedBags<W, O, I, false>;
-    redo<<<1, kRedoThreads, 0, stream>>>(w, indices.typed_data<I>(), offsets.typed_data<I>(), o, args);
-  } else if (args.mode == BoundsCheckMode::kFatal) {
-    FindFirstBad<I><<<1, kRedoThreads, 0, stream>>>(indices.typed_data<I>(), offsets.typed_data<I>(), args);
+  if (args.mode == BoundsCheckMode::kFatal) {
+    FindFirstBad<I><<<1, kThreads, 0, stream>>>(indices.typed_data<I>(), offsets.typed_data<I>(), args);
   }
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {

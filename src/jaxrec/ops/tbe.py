@@ -69,6 +69,7 @@ from jaxrec.ops.tbe_reference import (
     clamp_offsets,
     embedding_bag_reference,
     row_keys,
+    valid_ids,
 )
 
 
@@ -144,17 +145,19 @@ def report_corrected(config: _Config, num_corrected: jax.Array) -> None:
 
 
 def corrected_for_gradients(config: _Config, indices, offsets):
-    """The ids and offsets the gradients read: the checked modes' correction (IGNORE's, in
-    jnp; FATAL's forward has passed, so it changes nothing), else NONE's clamped offsets."""
+    """The ids and offsets the gradients read: NONE's clamped offsets, and under the
+    checked modes also the bad ids of bags made row 0, as the forward read them (FATAL's
+    forward has passed, so there is nothing to correct). In jnp, from the expressions the
+    gradients compute anyway (XLA computes them once): no searchsorted, no extra pass."""
+    n = indices.shape[0]
+    offsets = clamp_offsets(offsets, n)
     if config.bounds_check_mode == BoundsCheckMode.NONE:
-        return indices, clamp_offsets(offsets, indices.shape[0])
-    rows = jnp.asarray(bc.clip_rows(config.layout.feature_rows, indices.dtype), indices.dtype)
-    indices, offsets, _ = bc.bounds_check_indices_reference(rows, indices, offsets,
-                                                            BoundsCheckMode.IGNORE, ())
-    return indices, offsets
-
-
-# --- custom_vjp over the kernels ---------------------------------------------------
+        return indices, offsets
+    num_bags = offsets.shape[0] - 1
+    bag = bag_of_position(offsets, n)
+    in_bag = (bag >= 0) & (bag < num_bags)
+    bad = in_bag & ~valid_ids(config.layout, indices, bag, num_bags)
+    return jnp.where(bad, jnp.zeros_like(indices), indices), offsets
 
 
 @dataclasses.dataclass(frozen=True)
