@@ -1,9 +1,9 @@
 """The fused update kernels (CPU, and CUDA on the device) against the jnp reference.
 
-Every optimizer x weight dtype x pooling x weighted, on tables shared by two features,
-with duplicate ids, empty bags, odd dims and padding after the last offset, over
-several consecutive steps from a random (non-zero) state. Rows outside the batch must
-stay bit-identical.
+Every optimizer x weight dtype, and every pooling x weighted (a covering design: CASES),
+on tables shared by two features, with duplicate ids, empty bags, odd dims and padding
+after the last offset, over several consecutive steps from a random (non-zero) state.
+Rows outside the batch must stay bit-identical.
 """
 
 import functools
@@ -37,11 +37,23 @@ CONFIGS = {
     "partial_rowwise_lamb": make(optim.PartialRowWiseLAMB),
     "lars_sgd": make(optim.LarsSGD),
 }
-BATCHES = [(PoolingMode.SUM, False), (PoolingMode.SUM, True), (PoolingMode.MEAN, False),
-           (PoolingMode.MEAN, True), (PoolingMode.NONE, False)]
-CASES = ([(name, jnp.float32, p, w) for name in CONFIGS for p, w in BATCHES]
-         + [(name, dtype, p, w) for name in CONFIGS for dtype in (jnp.float16, jnp.bfloat16)
-            for p, w in ((PoolingMode.SUM, False), (PoolingMode.MEAN, True))])
+# A covering design, not the full product (each case is two XLA compiles, ~1 s on CPU).
+# The kernels are instantiated per optimizer x weight dtype x index type (csrc/cpu/
+# tbe_fused_update.cc's UpdateItem<kKind, W, I>, the CUDA FusedUpdate<kKind, kChunks, W, I>);
+# pooling and per-sample weights are runtime branches of the gradient gathering that every
+# optimizer shares (and of embedding_bag_sparse_grad in the reference, before the
+# optimizer-only update_reference). So every optimizer runs with every weight dtype, and the
+# pooling/weighted combinations SUM-unweighted, MEAN-weighted and NONE rotate over the
+# dtypes (each optimizer meets all three, each dtype meets all three); every optimizer also
+# runs SUM-weighted in float32 (the programs test_a_row_whose_update_is_not_finite reuses),
+# and three of them (no state; a per-row state; two per-element states) MEAN-unweighted,
+# so those see all five pooling/weighted combinations.
+DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+ROTATED = [(PoolingMode.SUM, False), (PoolingMode.MEAN, True), (PoolingMode.NONE, False)]
+CASES = ([(name, jnp.float32, PoolingMode.SUM, True) for name in CONFIGS]
+         + [(name, dtype, *ROTATED[(i + j) % len(ROTATED)])
+            for i, name in enumerate(CONFIGS) for j, dtype in enumerate(DTYPES)]
+         + [(name, jnp.float32, PoolingMode.MEAN, False) for name in ("sgd", "rowwise_adagrad", "adam")])
 ULP = {jnp.float32: 1e-5, jnp.float16: 2.0**-10, jnp.bfloat16: 2.0**-7}
 
 
