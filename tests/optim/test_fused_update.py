@@ -59,12 +59,17 @@ ULP = {jnp.float32: 1e-5, jnp.float16: 2.0**-10, jnp.bfloat16: 2.0**-7}
 
 @functools.cache
 def _step(config, layout, pooling, weighted, backend):
+    """The jitted update. The kernel checks its (valid) ids under FATAL; the reference, the
+    oracle, skips its jnp bounds check (NONE): a quarter of its compile time, and the
+    reference's checks are tests/test_bounds_check.py's."""
+    mode = "fatal" if backend == "kernel" else "none"
+
     @jax.jit
     def step(weights, state, grad_output, indices, offsets, psw):
         return _fused_update(weights, state, grad_output, indices, offsets, layout=layout,
                              config=config, hparams=None, pooling=pooling,
                              per_sample_weights=psw if weighted else None,
-                             bounds_check_mode="fatal", backend=backend)
+                             bounds_check_mode=mode, backend=backend)
     return step
 
 
