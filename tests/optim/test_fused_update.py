@@ -1,9 +1,9 @@
 """The fused update kernels (CPU, and CUDA on the device) against the jnp reference.
 
-Every optimizer x weight dtype x pooling x weighted, on tables shared by two features,
-with duplicate ids, empty bags, odd dims and padding after the last offset, over
-several consecutive steps from a random (non-zero) state. Rows outside the batch must
-stay bit-identical.
+Every optimizer x weight dtype, and every pooling x weighted (a covering design: CASES),
+on tables shared by two features, with duplicate ids, empty bags, odd dims and padding
+after the last offset, over several consecutive steps from a random (non-zero) state.
+Rows outside the batch must stay bit-identical.
 """
 
 import functools
@@ -37,22 +37,39 @@ CONFIGS = {
     "partial_rowwise_lamb": make(optim.PartialRowWiseLAMB),
     "lars_sgd": make(optim.LarsSGD),
 }
-BATCHES = [(PoolingMode.SUM, False), (PoolingMode.SUM, True), (PoolingMode.MEAN, False),
-           (PoolingMode.MEAN, True), (PoolingMode.NONE, False)]
-CASES = ([(name, jnp.float32, p, w) for name in CONFIGS for p, w in BATCHES]
-         + [(name, dtype, p, w) for name in CONFIGS for dtype in (jnp.float16, jnp.bfloat16)
-            for p, w in ((PoolingMode.SUM, False), (PoolingMode.MEAN, True))])
+# A covering design, not the full product (each case is two XLA compiles, ~1 s on CPU).
+# The kernels are instantiated per optimizer x weight dtype x index type (csrc/cpu/
+# tbe_fused_update.cc's UpdateItem<kKind, W, I>, the CUDA FusedUpdate<kKind, kChunks, W, I>);
+# pooling and per-sample weights are runtime branches of the gradient gathering that every
+# optimizer shares (and of embedding_bag_sparse_grad in the reference, before the
+# optimizer-only update_reference). So every optimizer runs with every weight dtype, and the
+# pooling/weighted combinations SUM-unweighted, MEAN-weighted and NONE rotate over the
+# dtypes (each optimizer meets all three, each dtype meets all three); every optimizer also
+# runs SUM-weighted in float32 (the programs test_a_row_whose_update_is_not_finite reuses),
+# and three of them (no state; a per-row state; two per-element states) MEAN-unweighted,
+# so those see all five pooling/weighted combinations.
+DTYPES = (jnp.float32, jnp.float16, jnp.bfloat16)
+ROTATED = [(PoolingMode.SUM, False), (PoolingMode.MEAN, True), (PoolingMode.NONE, False)]
+CASES = ([(name, jnp.float32, PoolingMode.SUM, True) for name in CONFIGS]
+         + [(name, dtype, *ROTATED[(i + j) % len(ROTATED)])
+            for i, name in enumerate(CONFIGS) for j, dtype in enumerate(DTYPES)]
+         + [(name, jnp.float32, PoolingMode.MEAN, False) for name in ("sgd", "rowwise_adagrad", "adam")])
 ULP = {jnp.float32: 1e-5, jnp.float16: 2.0**-10, jnp.bfloat16: 2.0**-7}
 
 
 @functools.cache
 def _step(config, layout, pooling, weighted, backend):
+    """The jitted update. The kernel checks its (valid) ids under FATAL; the reference, the
+    oracle, skips its jnp bounds check (NONE): a quarter of its compile time, and the
+    reference's checks are tests/test_bounds_check.py's."""
+    mode = "fatal" if backend == "kernel" else "none"
+
     @jax.jit
     def step(weights, state, grad_output, indices, offsets, psw):
         return _fused_update(weights, state, grad_output, indices, offsets, layout=layout,
                              config=config, hparams=None, pooling=pooling,
                              per_sample_weights=psw if weighted else None,
-                             bounds_check_mode="fatal", backend=backend)
+                             bounds_check_mode=mode, backend=backend)
     return step
 
 
@@ -209,10 +226,11 @@ def test_hot_rows_longer_than_a_window(platform, name, pooling, weighted):
     """Zipf-like ids: the head row of each table is read about 1,700 times in a batch, so
     its run of the sorted ids spans several of the CUDA kernel's 256-entry windows (the
     run's warp sums its first window and adds the others' head sums). Two steps, padding
-    after the last offset. Sums of ~1,700 float32 terms in another order: rtol 1e-4."""
+    after the last offset (both steps padded to one capacity: one compile per backend).
+    Sums of ~1,700 float32 terms in another order: rtol 1e-4."""
     config = CONFIGS[name]
     rng = np.random.default_rng(17)
-    batch_size = 300
+    batch_size, capacity = 300, 6600  # ~6,000 ids in bags (sd ~100), then padding
     w0, s0 = random_inputs(rng, config, LAYOUT, pooling, weighted, jnp.float32)
     kernel = _step(config, LAYOUT, pooling, weighted, "kernel")
     reference = _step(config, LAYOUT, pooling, weighted, "reference")
@@ -224,7 +242,8 @@ def test_hot_rows_longer_than_a_window(platform, name, pooling, weighted):
             rows = LAYOUT.feature_rows[k // batch_size]
             head = rng.random(n)
             ids.append(np.where(head < 0.7, 0, np.where(head < 0.85, 1, rng.integers(0, rows, n))))
-        indices = np.concatenate(ids + [rng.integers(0, 3, 37)]).astype(np.int32)
+        assert offsets[-1] < capacity
+        indices = np.concatenate(ids + [rng.integers(0, 3, capacity - offsets[-1])]).astype(np.int32)
         assert np.sum(indices[:offsets[-1]] == 0) > 3 * 256
         grad_output = rng.normal(size=(batch_size, LAYOUT.total_dim)).astype(np.float32)
         psw = rng.normal(size=indices.shape).astype(np.float32)

@@ -71,12 +71,17 @@ def plan(kind: str, n: int = N):
     return construct_plan(TABLES, gens, n, local_world_size=local)
 
 
+# Room for the most ids a global batch can hold (7 keys x 24 samples x 3 ids = 504): every
+# batch of random_batch has one shape, so an unsharded train step compiles once.
+CAPACITY = 512
+
+
 def random_kjt(rng, *, weighted: bool, n: int = N, empty_device: int | None = None,
-               max_id: int = 6, one_hot: bool = False, spread: bool = False
-               ) -> KeyedJaggedTensor:
+               max_id: int = 6, one_hot: bool = False, spread: bool = False,
+               capacity: int | None = None) -> KeyedJaggedTensor:
     """A global KJT of ``n * B`` samples; device ``empty_device``'s samples have no ids.
     ``spread``: ids from all of each table's rows (not the first ``max_id``); ``one_hot``:
-    bags of 0 or 1 id."""
+    bags of 0 or 1 id; ``capacity``: the KJT's (default: the ids' bucket)."""
     lengths = rng.integers(0, 2 if one_hot else 4, size=(len(KEYS), n * B))
     lengths[:, rng.integers(0, n * B)] = 0
     if empty_device is not None:
@@ -85,17 +90,19 @@ def random_kjt(rng, *, weighted: bool, n: int = N, empty_device: int | None = No
                                           lengths[i].sum())
                              for i, k in enumerate(KEYS)])
     weights = rng.uniform(0.5, 2.0, values.shape[0]).astype(np.float32) if weighted else None
-    return KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths.ravel(), weights=weights)
+    return KeyedJaggedTensor.from_lengths_sync(KEYS, values, lengths.ravel(), weights=weights,
+                                               capacity=capacity)
 
 
 def random_batch(seed: int, *, weighted: bool, n: int = N, empty_device: int | None = None,
                  padded_rows: int = 0, one_hot: bool = False, max_id: int | None = None
                  ) -> Batch:
     """A global batch; the last ``padded_rows`` samples are padding (mask 0, no ids).
-    One-hot ids spread over all rows, unless ``max_id`` keeps them to the first rows."""
+    One-hot ids spread over all rows, unless ``max_id`` keeps them to the first rows.
+    Its KJT has capacity CAPACITY."""
     rng = np.random.default_rng(seed)
     kjt = random_kjt(rng, weighted=weighted, n=n, empty_device=empty_device, one_hot=one_hot,
-                     spread=one_hot and max_id is None, max_id=max_id or 6)
+                     spread=one_hot and max_id is None, max_id=max_id or 6, capacity=CAPACITY)
     if padded_rows:
         lengths = np.asarray(kjt.lengths()).reshape(len(KEYS), n * B)
         keep = np.ones_like(lengths, bool)
@@ -106,7 +113,7 @@ def random_batch(seed: int, *, weighted: bool, n: int = N, empty_device: int | N
         lengths = np.where(keep, lengths, 0)
         kjt = KeyedJaggedTensor.from_lengths_sync(
             KEYS, values[per_bag], lengths.ravel(),
-            weights=None if weights is None else weights[per_bag])
+            weights=None if weights is None else weights[per_bag], capacity=CAPACITY)
     mask = np.ones(n * B, np.float32)
     if padded_rows:
         mask[-padded_rows:] = 0

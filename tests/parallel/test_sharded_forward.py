@@ -166,18 +166,22 @@ def test_bfloat16_comms_round_the_pooled_values_only(kind):
     kjt = par.shard_batch(random_kjt(np.random.default_rng(6), weighted=True), mesh())
     cotangent = jax.device_put(np.random.default_rng(7).normal(size=(N, B, 44)).astype(np.float32))
 
-    def weight_grad(model, kjt, ct):  # through the output's cotangent, back over the wire
+    def out_and_weight_grad(model, kjt, ct):
+        """The pooled output, and the weights' gradient through its cotangent, back over the
+        wire: one program per dtype (the forward is the one the gradient differentiates)."""
         def loss(weights):
             again = KeyedJaggedTensor(kjt.keys(), kjt.values(), weights=weights, lengths=kjt.lengths())
-            return jnp.sum(model(again).values() * ct)
-        return jax.grad(loss)(kjt.weights())
+            out = model(again).values()
+            return jnp.sum(out * ct), out
+        grad, out = jax.grad(loss, has_aux=True)(kjt.weights())
+        return out, grad
 
     results = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         sharded = par.ShardedEmbeddingBagCollection(TABLES, plan(kind), mesh(), rngs=nnx.Rngs(0),
                                                     comm_dtype=dtype)
-        out = np.asarray(pooled(sharded, kjt).values())
-        results[dtype] = out, np.asarray(par.make_forward(weight_grad)(sharded, kjt, cotangent))
+        out, grad = par.make_forward(out_and_weight_grad)(sharded, kjt, cotangent)
+        results[dtype] = np.asarray(out), np.asarray(grad)
     (out32, g32), (out16, g16) = results[jnp.float32], results[jnp.bfloat16]
     assert out16.dtype == np.float32 and not np.array_equal(out16, out32)
     scale = np.abs(out32).max()
