@@ -127,8 +127,9 @@ __device__ __forceinline__ float4 PoolValidIds4(const W* __restrict__ table, con
 }
 
 // The bag of this lane's group: its output columns, and what it found. kSequence:
-// PoolingMode::kNone, one output row per index position.
-template <typename W, typename O, typename I, bool kSequence>
+// PoolingMode::kNone, one output row per index position. kChecked: any mode but NONE (a
+// kernel of its own, so that NONE's keeps its registers and its speed).
+template <typename W, typename O, typename I, bool kSequence, bool kChecked>
 __device__ __forceinline__ void LookupBag(const W* __restrict__ weights, const I* __restrict__ indices,
                                           const I* __restrict__ offsets, O* __restrict__ out,
                                           const ForwardArgs& args) {
@@ -147,7 +148,7 @@ __device__ __forceinline__ void LookupBag(const W* __restrict__ weights, const I
   const I raw_start = offsets[bag], raw_end = offsets[bag + 1];
   I start, end;
   ClampBag<I>(raw_start, raw_end, n, &start, &end);
-  const bool checked = args.mode != BoundsCheckMode::kNone;
+  constexpr bool checked = kChecked;
   // WARNING's bad bag: by its clamped start (bag 0: its own), which is the corrected one
   // unless `unsorted`; FATAL's: by its given offsets, and none of its ids are read.
   int32_t bad = 0;
@@ -373,12 +374,12 @@ __device__ __forceinline__ void FinishCheck(const W* __restrict__ weights, const
   }
 }
 
-template <typename W, typename O, typename I, bool kSequence>
+template <typename W, typename O, typename I, bool kSequence, bool kChecked>
 __global__ void __launch_bounds__(kThreads)
     TbeForwardKernel(const W* __restrict__ weights, const I* __restrict__ indices,
                      const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
-  LookupBag<W, O, I, kSequence>(weights, indices, offsets, out, args);
-  if (args.mode == BoundsCheckMode::kNone) return;
+  LookupBag<W, O, I, kSequence, kChecked>(weights, indices, offsets, out, args);
+  if constexpr (!kChecked) return;
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -433,7 +434,11 @@ ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi:
   // A checked lookup always runs a block: the last one to finish writes the report.
   const unsigned grid = args.report != nullptr && blocks == 0 ? 1 : blocks;
   if (grid > 0) {
-    auto kernel = sequence ? TbeForwardKernel<W, O, I, true> : TbeForwardKernel<W, O, I, false>;
+    const bool checked = args.mode != BoundsCheckMode::kNone;
+    auto kernel =
+        sequence
+            ? (checked ? TbeForwardKernel<W, O, I, true, true> : TbeForwardKernel<W, O, I, true, false>)
+            : (checked ? TbeForwardKernel<W, O, I, false, true> : TbeForwardKernel<W, O, I, false, false>);
     kernel<<<grid, kThreads, 0, stream>>>(w, indices.typed_data<I>(), offsets.typed_data<I>(), o, args);
   }
   if (args.mode == BoundsCheckMode::kFatal) {
