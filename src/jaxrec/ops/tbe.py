@@ -125,14 +125,14 @@ def prepare_lookup(weights, indices, offsets, *, layout, pooling, per_sample_wei
     config, indices, offsets, per_sample_weights = _validate(
         weights, indices, offsets, layout, pooling, per_sample_weights, output_dtype, backend)
     mode = as_bounds_check_mode(bounds_check_mode)
-    labels = tuple(bc.feature_labels(layout.num_features, feature_names,
-                                     table_names or [str(t) for t in layout.feature_table_map]))
+    table_names = table_names or [str(t) for t in layout.feature_table_map]
+    labels = tuple(bc.feature_labels(layout.num_features, feature_names, table_names))
     if mode == BoundsCheckMode.FATAL and _step_guard.active() is not None:
         # Inside a train step FATAL must not raise while the step runs: bounds_check_indices
         # records the finding for the step and corrects as IGNORE; nothing is left to find.
         indices, offsets, _ = bc.bounds_check_indices(
             layout.feature_rows, indices, offsets, mode, feature_names=feature_names,
-            table_names=table_names or [str(t) for t in layout.feature_table_map], backend=backend)
+            table_names=table_names, backend=backend)
         mode = BoundsCheckMode.IGNORE
     return (dataclasses.replace(config, bounds_check_mode=mode, labels=labels), indices, offsets,
             per_sample_weights)
