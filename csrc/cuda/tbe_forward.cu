@@ -79,7 +79,7 @@ __device__ __forceinline__ void NoteBad(BoundsCheckMode mode, int32_t bad, bool 
 // The bag's weighted sum of columns [c, c + 4) for 4-aligned rows, a bad id loading row
 // 0 so that every load is a row of the table; *bad counts the bag's bad ids. One compare
 // and a select per id, no extra pass over the ids; what the checks cost against the
-// unchecked kernel is measured by benchmarks/tbe_gpu.py (docs/bounds_check.md).
+// unchecked kernel is measured by benchmarks/bounds_check_gpu.py (docs/bounds_check.md).
 template <typename W, typename I>
 __device__ __forceinline__ float4 PoolColumns4(const W* __restrict__ table, const I* __restrict__ indices,
                                                const float* __restrict__ psw, I start, I end, I last_row,
