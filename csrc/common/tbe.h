@@ -14,9 +14,11 @@
 //
 // Bad input never reads or writes outside a feature's own table: every kernel skips
 // an id outside [0, rows(f)) (RowInRange: it contributes nothing, and no row or
-// optimizer state is touched for it), and never reads indices outside [0, N). The
-// wrappers clamp the offsets into [0, N], non-decreasing, before any kernel
-// (docs/bounds_check.md, "What NONE does with a bad id").
+// optimizer state is touched for it; the CUDA forward's checked modes read row 0 for
+// it, FBGEMM's correction), and never reads indices outside [0, N). The wrappers clamp
+// the offsets into [0, N], non-decreasing, before every kernel but the CUDA forward,
+// which clamps each bag itself (docs/bounds_check.md, "Where the check runs" and "What
+// NONE does with a bad id").
 #pragma once
 
 #include <cstdint>
@@ -52,8 +54,8 @@ JAXREC_HOST_DEVICE bool RowInRange(I id, int64_t rows) {
 }
 
 // [start, end) of a bag with offsets `begin`, `end` clamped into [0, n], end >= start:
-// a last line of defence (the wrappers hand the kernels clamped offsets already). In the
-// offsets' own type, so that the CUDA forward clamps an int32 bag with int32 compares.
+// the CUDA forward's own correction, a last line of defence elsewhere. In the offsets' own
+// type, so that the CUDA forward clamps an int32 bag with int32 compares.
 template <typename T>
 JAXREC_HOST_DEVICE void ClampBag(T begin, T end, T n, T* start_out, T* end_out) {
   const T start = begin < 0 ? 0 : (begin > n ? n : begin);
