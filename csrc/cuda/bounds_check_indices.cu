@@ -26,6 +26,13 @@ constexpr int kBagsPerBlock = 8;
 
 using Report = BoundsCheckReport;
 
+// corrections 0; FATAL: the first bad bag and id all ones (none found yet).
+inline cudaError_t ResetReport(BoundsCheckReport* report, BoundsCheckMode mode, cudaStream_t stream) {
+  if (mode != BoundsCheckMode::kFatal) return cudaMemsetAsync(report, 0, sizeof(BoundsCheckReport), stream);
+  const cudaError_t err = cudaMemsetAsync(report, 0xff, sizeof(BoundsCheckReport), stream);
+  return err != cudaSuccess ? err : cudaMemsetAsync(&report->corrections, 0, sizeof(int32_t), stream);
+}
+
 constexpr int kScanThreads = 1024;
 constexpr int kScanItems = 8;  // consecutive offsets per thread and tile
 

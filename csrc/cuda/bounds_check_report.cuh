@@ -15,24 +15,17 @@
 
 namespace jaxrec {
 
-// The int32[4] report result. `corrections` starts at 0 and counts (WARNING only). FATAL:
-// the rest starts at all ones, then takes the atomicMin of the first bad bag and of the
-// first bad id as the key (position << 32 | bag), so the error names the same bag or id
-// as the CPU's sequential loop. WARNING and IGNORE: the rest starts at 0; the forward sets
-// `first_bad_bag` to 1 when its per-bag clamping is not the exact correction
-// (tbe_forward.cu, "unsorted").
+// The int32[4] report result. `corrections` counts (WARNING only). FATAL: the first bad
+// bag and the first bad id as the key (position << 32 | bag), each the all-ones value when
+// there is none, taken by atomicMin so that the error names the same bag or id as the
+// CPU's sequential loop. bounds_check_indices.cu resets it with memsets before its
+// kernels; the TBE forward's last block writes it whole (tbe_forward.cu).
 struct BoundsCheckReport {
   int32_t corrections;
   uint32_t first_bad_bag;
   unsigned long long first_bad_index;
 };
 static_assert(sizeof(BoundsCheckReport) == 16, "the report is int32[4]");
-
-inline cudaError_t ResetReport(BoundsCheckReport* report, BoundsCheckMode mode, cudaStream_t stream) {
-  if (mode != BoundsCheckMode::kFatal) return cudaMemsetAsync(report, 0, sizeof(BoundsCheckReport), stream);
-  const cudaError_t err = cudaMemsetAsync(report, 0xff, sizeof(BoundsCheckReport), stream);
-  return err != cudaSuccess ? err : cudaMemsetAsync(&report->corrections, 0, sizeof(int32_t), stream);
-}
 
 template <typename T>
 T ReadOneFromDevice(const T* device_ptr, cudaStream_t stream) {

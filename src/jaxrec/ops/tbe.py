@@ -225,6 +225,11 @@ def _output_shape(config: _Config, indices, offsets) -> tuple[int, int]:
     return (offsets.shape[0] - 1) // config.layout.num_features, config.layout.total_dim
 
 
+def _rows_operand(config: _Config, dtype) -> jax.Array:
+    """Each feature's row count, as the standalone check takes it (ids of ``dtype``)."""
+    return jnp.asarray(bc.clip_rows(config.layout.feature_rows, dtype), dtype)
+
+
 def _no_count():
     return jnp.zeros((), jnp.int32)
 
@@ -235,7 +240,7 @@ def _forward_kernel_cpu(config: _Config, weights, per_sample_weights, indices, o
     if mode == BoundsCheckMode.NONE:
         offsets, num_corrected = clamp_offsets(offsets, indices.shape[0]), _no_count()
     else:
-        rows = jnp.asarray(bc.clip_rows(config.layout.feature_rows, indices.dtype), indices.dtype)
+        rows = _rows_operand(config, indices.dtype)
         indices, offsets, num_corrected = bc.bounds_check_kernel(rows, indices, offsets, mode,
                                                                  config.labels)
     out = jax.ShapeDtypeStruct(_output_shape(config, indices, offsets), config.output_dtype)
@@ -277,7 +282,7 @@ def _warp_schedule(dims: tuple[int, ...], batch_size: int) -> np.ndarray:
 def _forward_reference(config: _Config, weights, per_sample_weights, indices, offsets):
     mode, num_corrected = config.bounds_check_mode, _no_count()
     if mode != BoundsCheckMode.NONE:
-        rows = jnp.asarray(bc.clip_rows(config.layout.feature_rows, indices.dtype), indices.dtype)
+        rows = _rows_operand(config, indices.dtype)
         indices, offsets, num_corrected = bc.bounds_check_indices_reference(
             rows, indices, offsets, mode, config.labels)
     out = embedding_bag_reference(
