@@ -7,8 +7,8 @@ Run it where torch 2.13 CPU, fbgemm-gpu-cpu 1.8.0, jax and jaxrec are installed
 samples, bags of L uniform random ids (duplicates included), 4 id sets rotated; the peers
 run round-robin, one iteration each in turn (tbe_cpu.interleaved_medians), median of --iters.
 
-A step is forward + backward with the optimizer fused in, EXACT_ROWWISE_ADAGRAD and
-EXACT_ADAGRAD, the same learning rate and eps, bounds checks off on both sides:
+A step is forward + backward with the optimizer fused in, EXACT_ROWWISE_ADAGRAD,
+EXACT_ADAGRAD and EXACT_SGD, the same learning rate and eps, bounds checks off on both sides:
 
 * FBGEMM: SplitTableBatchedEmbeddingBagsCodegen (HOST, CPU): ``out = emb(ids, offsets);
   out.backward(g)`` (the update happens inside backward).
@@ -16,8 +16,10 @@ EXACT_ADAGRAD, the same learning rate and eps, bounds checks off on both sides:
   then ``fused_update(w, s, g + 0 * out, ...)``. The ``0 * out`` stands for a real loss's
   gradient: it orders the update after the lookup, and without it XLA copies the table to
   let the lookup read it before the in-place update (it would cost O(table) per step).
-* jaxrec_fused_*: ``fused_update`` alone (the backward only), and xla_sort_of_the_ids: the
-  XLA sort of the T*B*L ids that ``fused_update`` runs before its kernel, for reference.
+* jaxrec_fused_*: ``fused_update`` alone (the backward only); of it jaxrec_sort_by_row: the
+  handler's radix sort of the T*B*L ids by table row (``jaxrec.ops.row_sort``), which runs
+  before the update kernel; and, for reference, xla_sort_of_the_ids: XLA's sort of the same
+  keys, which the update ran before that handler.
 
 The timings need an idle machine: each library uses every core, and FBGEMM's OpenMP
 threads slow down many times over when another process takes a core. Each run records
@@ -45,11 +47,13 @@ from tbe_cpu import NUM_ID_SETS, interleaved_medians, machine_info
 
 from jaxrec.fused import fused_update
 from jaxrec.ops import TableLayout, embedding_bag_lookup
-from jaxrec.optim import Adagrad, RowWiseAdagrad, init_state, split_optimizer_states
+from jaxrec.ops.row_sort import sort_by_row
+from jaxrec.optim import SGD, Adagrad, RowWiseAdagrad, init_state, split_optimizer_states
 
 LR, EPS = 0.01, 1e-8
 OPTIMIZERS = {"rowwise_adagrad": (RowWiseAdagrad(learning_rate=LR, eps=EPS), "EXACT_ROWWISE_ADAGRAD"),
-              "adagrad": (Adagrad(learning_rate=LR, eps=EPS), "EXACT_ADAGRAD")}
+              "adagrad": (Adagrad(learning_rate=LR, eps=EPS), "EXACT_ADAGRAD"),
+              "sgd": (SGD(learning_rate=LR), "EXACT_SGD")}
 CONFIGS = {
     "default": dict(T=8, E=100_000, D=128, B=512, L=20),
     "d64_b2048": dict(T=8, E=100_000, D=64, B=2048, L=20),
@@ -104,7 +108,9 @@ def jaxrec_steps(cfg, weights_np, id_sets, grad):
         jax.block_until_ready(box[0])
 
     steps["jaxrec_fused_rowwise_adagrad_ms"] = fused_run
-    # The XLA sort of the ids that fused_update runs before its kernel (the keys are (table, id)).
+    by_row = jax.jit(lambda i: sort_by_row(layout, i, offsets))
+    steps["jaxrec_sort_by_row_ms"] = lambda i: jax.block_until_ready(by_row(ids[i]))
+    # XLA's sort of the same keys ((table, id)), which the update ran before sort_by_row.
     n = T * B * L
     sort = jax.jit(lambda i: jax.lax.sort_key_val(i + (jnp.arange(n, dtype=jnp.int32) // (B * L)) * E,
                                                   jnp.arange(n, dtype=jnp.int32)))
@@ -136,7 +142,7 @@ def fbgemm_steps(cfg, weights_np, id_sets, grad):
         out = emb(ids[0], offsets)  # the checked step
         out.backward(g)
         checked[name] = (torch.cat([w.reshape(-1) for w in emb.split_embedding_weights()]).detach().numpy().copy(),
-                         [s[0].detach().numpy().copy() for s in emb.split_optimizer_states()],
+                         [s[0].detach().numpy().copy() for s in emb.split_optimizer_states() if s],
                          out.detach().numpy().copy())
 
         def step(i, emb=emb):
@@ -158,9 +164,10 @@ def cross_check(layout, jaxrec_checked, fbgemm_checked):
     for name, (config, _) in OPTIMIZERS.items():
         jw, js, jout = jaxrec_checked[name]
         fw, fstates, fout = fbgemm_checked[name]
-        jstates = [np.asarray(t["momentum1"]).reshape(-1) for t in split_optimizer_states(config, layout, js)]
-        state_diff = max(float(np.abs(a - b.reshape(-1)).max()) for a, b in zip(jstates, fstates))
-        state_scale = max(float(np.abs(b).max()) for b in fstates)
+        jstates = [np.asarray(t["momentum1"]).reshape(-1) for t in split_optimizer_states(config, layout, js)
+                   if "momentum1" in t]
+        state_diff = max((float(np.abs(a - b.reshape(-1)).max()) for a, b in zip(jstates, fstates)), default=0.0)
+        state_scale = max((float(np.abs(b).max()) for b in fstates), default=1.0)  # SGD has no state
         out[name] = dict(
             weights_max_abs_diff=float(np.abs(jw - fw).max()),
             weights_largest_update=float(np.abs(fw - fbgemm_checked["_initial"]).max()),

@@ -32,6 +32,7 @@ TARGETS = {
         "jaxrec_tbe_forward": "JaxrecTbeForwardCpu",
         "jaxrec_tbe_backward": "JaxrecTbeBackwardCpu",
         "jaxrec_tbe_fused_update": "JaxrecTbeFusedUpdateCpu",
+        "jaxrec_sort_by_row": "JaxrecSortByRowCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",

@@ -50,6 +50,7 @@ import numpy as np
 from jaxrec import _ffi
 from jaxrec.fused._reference import reference_fits, update_reference
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
+from jaxrec.ops.row_sort import sort_by_row
 from jaxrec.ops.tbe_layout import (
     PoolingMode,
     TableLayout,
@@ -59,10 +60,8 @@ from jaxrec.ops.tbe_layout import (
     per_sample_weights_operand,
 )
 from jaxrec.ops.tbe_reference import (
-    bag_of_position,
     clamp_offsets,
     embedding_bag_reference,
-    row_keys,
 )
 from jaxrec.ops.tbe_sparse_grad import embedding_bag_sparse_grad
 from jaxrec.optim import _configs as C
@@ -155,12 +154,7 @@ class _Op:
 
 
 def _kernel(op: _Op, weights, state, grad_output, indices, offsets, per_sample_weights, hparams):
-    n = indices.shape[0]
-    bag = bag_of_position(offsets, n)
-    key = row_keys(op.layout, indices, bag, offsets.shape[0] - 1)
-    sorted_key, sorted_position = jax.lax.sort_key_val(key, jnp.arange(n, dtype=indices.dtype))
-    sorted_bag = bag[sorted_position]
-
+    sorted_key, sorted_position, sorted_bag = sort_by_row(op.layout, indices, offsets)
     names = buffer_fields(op.config.state_type)
     buffers = [getattr(state, name) for name in names]
     buffers += [jnp.zeros((0,), jnp.float32)] * (2 - len(buffers))

@@ -56,6 +56,7 @@ import numpy as np
 from jaxrec import _ffi, _step_guard
 from jaxrec.ops import bounds_check as bc
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode
+from jaxrec.ops.row_sort import sort_by_row
 from jaxrec.ops.tbe_layout import (
     PoolingMode,
     TableLayout,
@@ -68,7 +69,6 @@ from jaxrec.ops.tbe_reference import (
     bag_of_position,
     clamp_offsets,
     embedding_bag_reference,
-    row_keys,
     valid_ids,
 )
 
@@ -305,13 +305,9 @@ def _backward_kernel_cpu(config: _Config, grad_output, weights, per_sample_weigh
 
 
 def _backward_kernel_cuda(config: _Config, grad_output, weights, per_sample_weights, indices, offsets):
-    # XLA sorts the (table row, position) pairs (a CUB radix sort on the GPU); the
+    # The (table row, position) pairs sorted (by XLA: a CUB radix sort on the GPU); the
     # kernel then sums each row's contributions in that fixed order, without atomics.
-    n = indices.shape[0]
-    bag = bag_of_position(offsets, n)
-    key = row_keys(config.layout, indices, bag, offsets.shape[0] - 1)
-    sorted_key, sorted_position = jax.lax.sort_key_val(key, jnp.arange(n, dtype=indices.dtype))
-    sorted_bag = bag[sorted_position]
+    sorted_key, sorted_position, sorted_bag = sort_by_row(config.layout, indices, offsets)
     call = jax.ffi.ffi_call("jaxrec_tbe_backward_sorted", _grad_shapes(weights, per_sample_weights),
                             vmap_method="sequential")
     return call(grad_output, weights, indices, offsets, per_sample_weights,

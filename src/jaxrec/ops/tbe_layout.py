@@ -142,6 +142,12 @@ class TableLayout:
         return tuple(self.rows[t] for t in self.feature_table_map)
 
     @property
+    def feature_first_rows(self) -> tuple[int, ...]:
+        """First row of each feature's table among all tables' rows (the row keys' base)."""
+        table_first_row = np.concatenate([[0], np.cumsum(self.rows, dtype=np.int64)[:-1]])
+        return tuple(int(table_first_row[t]) for t in self.feature_table_map)
+
+    @property
     def output_offsets(self) -> tuple[int, ...]:
         """Column of each feature in the pooled ``[B, total_dim]`` output (FBGEMM's ``D_offsets``)."""
         return tuple(int(x) for x in np.concatenate([[0], np.cumsum(self.feature_dims)]))

@@ -65,8 +65,7 @@ def row_keys(layout: TableLayout, indices, bag, num_bags: int) -> jax.Array:
     batch_size = max(num_bags // layout.num_features, 1)
     valid = valid_ids(layout, indices, bag, num_bags)
     feature = jnp.clip(bag // batch_size, 0, layout.num_features - 1)
-    table_first_row = np.concatenate([[0], np.cumsum(layout.rows)[:-1]])
-    first_row = jnp.asarray(table_first_row[list(layout.feature_table_map)], indices.dtype)
+    first_row = jnp.asarray(layout.feature_first_rows, indices.dtype)
     return jnp.where(valid, first_row[feature] + jnp.where(valid, indices, 0), np.iinfo(indices.dtype).max)
 
 
