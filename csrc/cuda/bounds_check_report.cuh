@@ -19,7 +19,7 @@ namespace jaxrec {
 // bag and the first bad id as the key (position << 32 | bag), each the all-ones value when
 // there is none, taken by atomicMin so that the error names the same bag or id as the
 // CPU's sequential loop. bounds_check_indices.cu resets it with memsets before its
-// kernels; the TBE forward's last block writes it whole (tbe_forward.cu).
+// kernels; the TBE forward's FinishCheckKernel writes it whole (tbe_forward.cu).
 struct BoundsCheckReport {
   int32_t corrections;
   uint32_t first_bad_bag;

@@ -15,11 +15,14 @@
 // and WARNING counts it; FATAL flags it and the handler raises. The corrected offsets
 // are max-scans of the clamped ones; each bag clamps its own, which is the same whenever
 // the clamped offsets do not decrease. When they do (bad input only), the bag flags it.
-// The last block to finish (a ticket in g_tally) writes the report, and only when a bag
-// flagged unsorted offsets does more, alone: every bag again with the exact correction
+// Bags note what they found in g_tally (atomics, bad input only); a one-block kernel
+// after the lookup (FinishCheckKernel) writes the report, and only when a bag flagged
+// unsorted offsets does more: every bag again with the exact correction
 // (RedoUnsortedBags). So on good input WARNING and IGNORE cost a compare per id and one
-// atomic per block: no memset, no extra launch. FATAL, which waits for its report
-// anyway, runs FindFirstBad after the lookup to name the first bad bag or id.
+// small launch: no memset, no atomics. (The last block to finish used to write the report,
+// found by a ticket; its atomic and fence per block cost 7-17% of the forward on an H200
+// at B=4096, against 0-3% without them: docs/bounds_check.md.) FATAL, which waits for its report anyway,
+// then runs FindFirstBad to name the first bad bag or id.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -54,13 +57,12 @@ struct ForwardArgs : TbeLayout {
 };
 
 // What the blocks of the running checked forward found, per device: each call starts
-// with it zero and its last block sets it back to zero. This assumes one checked forward
-// at a time per device, as XLA runs them (one compute stream, and these handlers are not
-// captured in command buffers).
+// with it zero and its FinishCheckKernel sets it back to zero. This assumes one checked
+// forward at a time per device, as XLA runs them (one compute stream, and these handlers
+// are not captured in command buffers).
 constexpr uint32_t kUnsorted = 1;    // WARNING, IGNORE: clamped offsets decrease somewhere
 constexpr uint32_t kFatalFound = 2;  // FATAL: a bad bag or id
 struct CheckTally {
-  unsigned int blocks_done;
   int32_t corrections;  // WARNING
   uint32_t flags;
 };
@@ -294,7 +296,7 @@ __device__ void RedoBag(const W* __restrict__ weights, const I* __restrict__ ind
   }
 }
 
-// WARNING and IGNORE with unsorted offsets, by the last block alone: the whole lookup
+// WARNING and IGNORE with unsorted offsets, by FinishCheckKernel's block: the whole lookup
 // again with the corrected offsets max-scanned tile by tile, and WARNING's count
 // recounted exactly. Bad input only, so it is written for clarity, not speed.
 template <typename W, typename O, typename I, bool kSequence>
@@ -342,13 +344,12 @@ __device__ void RedoUnsortedBags(const W* __restrict__ weights, const I* __restr
   if (threadIdx.x == 0) args.report->corrections = total;
 }
 
-// The last block to finish: the report from the tally (and the rare extra work), then
-// the tally back to zero for the next call.
+// One block, after the checked lookup: the report from the tally (and the rare extra
+// work), then the tally back to zero for the next call.
 template <typename W, typename O, typename I, bool kSequence>
-__device__ __forceinline__ void FinishCheck(const W* __restrict__ weights, const I* __restrict__ indices,
-                                            const I* __restrict__ offsets, O* __restrict__ out,
-                                            const ForwardArgs& args) {
-  __threadfence();  // see every other block's notes
+__global__ void __launch_bounds__(kThreads)
+    FinishCheckKernel(const W* __restrict__ weights, const I* __restrict__ indices,
+                      const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
   const volatile CheckTally* tally = &g_tally;
   const uint32_t flags = tally->flags;
   const int32_t corrections = tally->corrections;
@@ -369,8 +370,6 @@ __device__ __forceinline__ void FinishCheck(const W* __restrict__ weights, const
   if (threadIdx.x == 0) {
     g_tally.corrections = 0;
     g_tally.flags = 0;
-    __threadfence();
-    g_tally.blocks_done = 0;
   }
 }
 
@@ -379,21 +378,11 @@ __global__ void __launch_bounds__(kThreads)
     TbeForwardKernel(const W* __restrict__ weights, const I* __restrict__ indices,
                      const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
   LookupBag<W, O, I, kSequence, kChecked>(weights, indices, offsets, out, args);
-  if constexpr (!kChecked) return;
-  __shared__ bool last;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();  // this block's notes before its ticket
-    last = atomicAdd(&g_tally.blocks_done, 1) == gridDim.x - 1;
-  }
-  __syncthreads();
-  if (last) FinishCheck<W, O, I, kSequence>(weights, indices, offsets, out, args);
 }
 
-// FATAL, after TbeForwardKernel (the handler then waits for the report): nothing unless
+// FATAL, after FinishCheckKernel (the handler then waits for the report): nothing unless
 // a bag flagged a bad offset or id; then the first bad bag and the first bad id (by
-// position), as bounds_check_indices finds them, for the handler's error. A kernel of
-// its own, not the last block's work, which would raise the forward's registers.
+// position), as bounds_check_indices finds them, for the handler's error.
 template <typename I>
 __global__ void __launch_bounds__(kThreads)
     FindFirstBad(const I* __restrict__ indices, const I* __restrict__ offsets, ForwardArgs args) {
@@ -431,15 +420,17 @@ ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi:
   }
   const W* w = reinterpret_cast<const W*>(weights.untyped_data());
   O* o = reinterpret_cast<O*>(out->untyped_data());
-  // A checked lookup always runs a block: the last one to finish writes the report.
-  const unsigned grid = args.report != nullptr && blocks == 0 ? 1 : blocks;
-  if (grid > 0) {
-    const bool checked = args.mode != BoundsCheckMode::kNone;
+  const bool checked = args.mode != BoundsCheckMode::kNone;
+  if (blocks > 0) {
     auto kernel =
         sequence
             ? (checked ? TbeForwardKernel<W, O, I, true, true> : TbeForwardKernel<W, O, I, true, false>)
             : (checked ? TbeForwardKernel<W, O, I, false, true> : TbeForwardKernel<W, O, I, false, false>);
-    kernel<<<grid, kThreads, 0, stream>>>(w, indices.typed_data<I>(), offsets.typed_data<I>(), o, args);
+    kernel<<<blocks, kThreads, 0, stream>>>(w, indices.typed_data<I>(), offsets.typed_data<I>(), o, args);
+  }
+  if (checked) {  // the report, always written
+    auto finish = sequence ? FinishCheckKernel<W, O, I, true> : FinishCheckKernel<W, O, I, false>;
+    finish<<<1, kThreads, 0, stream>>>(w, indices.typed_data<I>(), offsets.typed_data<I>(), o, args);
   }
   if (args.mode == BoundsCheckMode::kFatal) {
     FindFirstBad<I><<<1, kThreads, 0, stream>>>(indices.typed_data<I>(), offsets.typed_data<I>(), args);
