@@ -27,6 +27,7 @@ from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
+from jaxrec.ops.tbe_kjt import bag_offsets, check_variable_batch, expand_variable_batch
 from jaxrec.optim import OptimizerConfig, init_state
 from jaxrec.sparse import KeyedJaggedTensor
 
@@ -173,21 +174,28 @@ class GroupedTables(TableCollection):
         return out
 
     def lookup(self, i: int, features: KeyedJaggedTensor, pooling: PoolingMode) -> jax.Array:
-        """Group ``i``'s lookup: ``[B, total_dim]`` pooled, or ``[capacity, dim]`` for NONE."""
+        """Group ``i``'s lookup: ``[B, total_dim]`` pooled, or ``[capacity, dim]`` for NONE.
+
+        A variable-batch KJT (VBE) is looked up once per bag of each key and expanded to
+        the full batch by its inverse indices (``jaxrec.ops.tbe_kjt``)."""
+        check_variable_batch(features, pooling, f"{type(self).__name__} {self.name!r}")
         values = features.values()
-        offsets = features.offsets().astype(values.dtype)
-        if self.groups[i].tt:
-            return self.tables[i](values, offsets, features.weights_or_none(),
-                                  num_features=len(self.groups[i].feature_names))
+        offsets = bag_offsets(features)
         group = self.groups[i]
+        if group.tt:
+            out = self.tables[i](values, offsets, features.weights_or_none(),
+                                 num_features=len(group.feature_names))
+            return expand_variable_batch(out, features, group.layout.feature_dims)
         kwargs = dict(pooling=pooling, per_sample_weights=features.weights_or_none(),
                       bounds_check_mode=self.bounds_check_mode, backend=self.backend,
                       feature_names=list(group.feature_names),  # for FATAL's message
                       table_names=[group.tables[t].name for t in group.layout.feature_table_map])
         table = self.tables[i].get_value()
         if self.fused:
-            return fused_lookup(table, values, offsets, **kwargs)
-        return embedding_bag_lookup(table, values, offsets, layout=self.groups[i].layout, **kwargs)
+            out = fused_lookup(table, values, offsets, **kwargs)
+        else:
+            out = embedding_bag_lookup(table, values, offsets, layout=group.layout, **kwargs)
+        return out if pooling == PoolingMode.NONE else expand_variable_batch(out, features, group.layout.feature_dims)
 
 
 def _tt_module(config, optimizer, name: str, keys):

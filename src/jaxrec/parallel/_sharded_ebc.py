@@ -187,6 +187,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
+        refuse_variable_batch(features)
         try:
             me = jax.lax.axis_index(self.axis_name)
         except NameError:
@@ -417,6 +418,14 @@ def _max_ids(bound, features: Sequence[str]) -> tuple[int, ...]:
         raise ValueError(f"max_ids_per_bag must be positive ints (the most ids of one bag), got "
                          f"{bad}; leave a feature out to give it no bound")
     return tuple(int(given.get(f, 0)) for f in features)
+
+
+def refuse_variable_batch(kjt: KeyedJaggedTensor) -> None:
+    """Sharded collections take KJTs of one stride (a clear error for a VBE KJT)."""
+    if kjt.variable_stride_per_key():
+        raise ValueError("sharded collections take KJTs of one stride: a variable-batch (VBE) KJT "
+                         "works with the unsharded EmbeddingBagCollection only, for now; expand it to "
+                         "the full batch first (each key's bags taken at its inverse_indices)")
 
 
 def _ids_by_feature(kjt: KeyedJaggedTensor, features: Sequence[str]) -> list[np.ndarray]:

@@ -36,6 +36,7 @@ from jaxrec.parallel._sharded_ebc import (
     ShardedEmbeddingBagCollection,
     auto_mesh,
     on_mesh,
+    refuse_variable_batch,
 )
 from jaxrec.sparse import KeyedJaggedTensor, capacity_bucket
 
@@ -171,6 +172,7 @@ def _slice(tree, d: int, n: int):
 
 
 def _slice_kjt(kjt: KeyedJaggedTensor, d: int, n: int) -> KeyedJaggedTensor:
+    refuse_variable_batch(kjt)
     stride = kjt.stride()
     if stride % n:
         raise ValueError(f"the KJT's stride (batch size) {stride} is not a multiple of the {n} "

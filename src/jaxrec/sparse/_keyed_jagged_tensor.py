@@ -64,6 +64,20 @@ class KeyedJaggedTensor:
     ``capacity_bucket(len(values))`` (next power of two, minimum 8) so that recompiles are
     rare; ``jax.Array`` values keep their size. Keys may repeat (``permute`` with repeated
     indices makes such KJTs); lookups by key then see the last occurrence, as in TorchRec.
+
+    Variable batch size per key (TorchRec's VBE): ``stride_per_key_per_rank`` gives each
+    key's number of bags (one list per key; its ranks' counts add up), ``lengths`` holds
+    ``sum(stride_per_key())`` entries key by key, and ``inverse_indices = (keys,
+    int[num_keys, B])`` maps each of the B samples of the full batch to its key's bag::
+
+      # "user" (one bag per distinct user)  [U0] [U1]            stride 2
+      # "item" (one bag per impression)     [I0] [I1] [I2] [I3]  stride 4
+      # stride_per_key_per_rank = [[2], [4]]; lengths = [1, 1, 1, 1, 1, 1]
+      # inverse_indices = (["user", "item"], [[0, 0, 1, 1], [0, 1, 2, 3]])
+
+    ``EmbeddingBagCollection`` pools each key's bags once and expands its output to the B
+    samples by ``inverse_indices`` (the user's row is looked up once, its gradient summed
+    over the user's samples). ``stride()`` is then the largest key's stride.
     """
 
     def __init__(
@@ -74,6 +88,8 @@ class KeyedJaggedTensor:
         lengths: Any = None,
         offsets: Any = None,
         stride: int | None = None,
+        stride_per_key_per_rank: Sequence[Sequence[int]] | None = None,
+        inverse_indices: tuple[Sequence[str], Any] | None = None,
         *,
         capacity: int | None = None,
     ):
@@ -82,6 +98,19 @@ class KeyedJaggedTensor:
             values, weights, lengths, offsets, capacity, integer_values=True
         )
         n, num_keys = lengths.shape[0], len(keys)
+        if stride_per_key_per_rank is not None:
+            ranks, inverse = _check_variable_strides(
+                keys, n, stride, stride_per_key_per_rank, inverse_indices
+            )
+            self._keys, self._ranks, self._inverse = keys, ranks, inverse
+            self._stride = max((sum(r) for r in ranks), default=0)
+            self._values, self._lengths, self._weights = values, lengths, weights
+            return
+        if inverse_indices is not None:
+            raise ValueError(
+                "inverse_indices map a variable batch (VBE) back to the full one: pass "
+                "stride_per_key_per_rank with them."
+            )
         if stride is None:
             if num_keys == 0:
                 if n:
@@ -101,24 +130,28 @@ class KeyedJaggedTensor:
                     f"lengths has {n} entries but len(keys) * stride = {num_keys} * {stride} = "
                     f"{num_keys * stride}; pass lengths with one entry per (key, batch) pair."
                 )
-        self._keys, self._stride = keys, stride
+        self._keys, self._stride, self._ranks, self._inverse = keys, stride, None, None
         self._values, self._lengths, self._weights = values, lengths, weights
 
     @classmethod
-    def _make(cls, keys, stride, values, lengths, weights) -> KeyedJaggedTensor:
-        """Builds from already valid arrays (no checks, no host syncs)."""
+    def _make(cls, keys, stride, values, lengths, weights, ranks=None, inverse=None) -> KeyedJaggedTensor:
+        """Builds from already valid arrays (no checks, no host syncs). ``ranks``: the
+        stride_per_key_per_rank of a variable batch (a tuple of tuples), else None;
+        ``inverse``: its inverse indices, ``int[num_keys, B]``."""
         kjt = object.__new__(cls)
-        kjt._keys, kjt._stride = tuple(keys), int(stride)
-        kjt._values, kjt._lengths, kjt._weights = values, lengths, weights
+        kjt._keys, kjt._stride, kjt._ranks = tuple(keys), int(stride), ranks
+        kjt._values, kjt._lengths, kjt._weights, kjt._inverse = values, lengths, weights, inverse
         return kjt
 
     # -- pytree ---------------------------------------------------------------------------
     def tree_flatten(self):
-        return (self._values, self._lengths, self._weights), (self._keys, self._stride)
+        return (self._values, self._lengths, self._weights, self._inverse), (self._keys, self._stride, self._ranks)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        return cls._make(*aux, *children)
+        keys, stride, ranks = aux
+        values, lengths, weights, inverse = children
+        return cls._make(keys, stride, values, lengths, weights, ranks, inverse)
 
     # -- constructors ---------------------------------------------------------------------
     @staticmethod
@@ -227,13 +260,31 @@ class KeyedJaggedTensor:
         return self._weights
 
     def stride(self) -> int:
+        """Bags per key; with a variable batch (VBE), the largest key's."""
         return self._stride
 
     def stride_per_key(self) -> list[int]:
-        return [self._stride] * len(self._keys)
+        return list(_strides(self))
+
+    def stride_per_key_per_rank(self) -> list[list[int]]:
+        if self._ranks is None:
+            return [[self._stride] for _ in self._keys]
+        return [list(r) for r in self._ranks]
 
     def variable_stride_per_key(self) -> bool:
-        return False
+        return self._ranks is not None
+
+    def inverse_indices(self) -> tuple[list[str], jax.Array]:
+        """``(keys, int[num_keys, B])``: each sample's bag of each key (VBE only)."""
+        if self._inverse is None:
+            raise ValueError(
+                "this KeyedJaggedTensor has no inverse_indices (only a variable-batch KJT, "
+                "built with stride_per_key_per_rank and inverse_indices, has them)."
+            )
+        return list(self._keys), self._inverse
+
+    def inverse_indices_or_none(self) -> tuple[list[str], jax.Array] | None:
+        return None if self._inverse is None else (list(self._keys), self._inverse)
 
     @property
     def capacity(self) -> int:
@@ -358,16 +409,33 @@ class KeyedJaggedTensor:
             raise TypeError(
                 f"all KJTs must have one values dtype, got {sorted(dtypes)}; cast first."
             )
-        strides = {k._stride for k in kjt_list if k._keys}
-        if len(strides) > 1:
+        keyed = [k for k in kjt_list if k._keys]
+        variable = {k.variable_stride_per_key() for k in keyed}
+        if len(variable) > 1:
             raise ValueError(
-                f"all KJTs must have the same stride, got {[k._stride for k in kjt_list]}."
+                "cannot concat variable-batch (VBE) KJTs with KJTs of one stride: give the "
+                "latter stride_per_key_per_rank and inverse_indices too."
             )
-        stride = strides.pop() if strides else kjt_list[0]._stride
+        if variable == {True}:
+            batches = {None if k._inverse is None else k._inverse.shape[1] for k in keyed}
+            if len(batches) > 1:
+                raise ValueError(
+                    f"variable-batch KJTs must all have inverse_indices over one batch, got batches "
+                    f"{[None if k._inverse is None else k._inverse.shape[1] for k in keyed]}."
+                )
+            kjt_list = keyed  # the keyless parts hold no ids
+        else:
+            strides = {k._stride for k in keyed}
+            if len(strides) > 1:
+                raise ValueError(
+                    f"all KJTs must have the same stride, got {[k._stride for k in kjt_list]}."
+                )
+        stride = kjt_list[0]._stride if kjt_list else 0
         keys = sum((k._keys for k in kjt_list), ())
         return _concat_parts(keys, stride, kjt_list, capacity)
 
     def __repr__(self) -> str:
+        stride = f"stride={self._stride}" if self._ranks is None else f"stride_per_key={self.stride_per_key()}"
         leaves = (self._values, self._lengths, self._weights)
         if any(_capacity.is_traced(x) for x in leaves) or not all(
             isinstance(x, (jax.Array, np.ndarray)) for x in leaves if x is not None
@@ -375,18 +443,18 @@ class KeyedJaggedTensor:
             w = self._weights
             w = "None" if w is None else f"{w.dtype}{list(w.shape)}"
             return (
-                f"KeyedJaggedTensor(keys={self.keys()}, stride={self._stride}, "
+                f"KeyedJaggedTensor(keys={self.keys()}, {stride}, "
                 f"values={self._values.dtype}{list(self._values.shape)}, "
                 f"lengths={self._lengths.dtype}{list(self._lengths.shape)}, weights={w})"
             )
         if not self._keys:
-            return f"KeyedJaggedTensor(stride={self._stride})"
+            return f"KeyedJaggedTensor({stride})"
         offsets = np.concatenate([[0], np.cumsum(np.asarray(self._lengths))]).astype(int)
-        s = self._stride
+        bounds = _bounds(self)
 
         def bags(flat, i):
             flat = np.asarray(flat)
-            return [flat[offsets[i * s + b] : offsets[i * s + b + 1]].tolist() for b in range(s)]
+            return [flat[offsets[k] : offsets[k + 1]].tolist() for k in range(bounds[i], bounds[i + 1])]
 
         lines = []
         for i, key in enumerate(self._keys):
@@ -396,10 +464,75 @@ class KeyedJaggedTensor:
                 v, w = bags(self._values, i), bags(self._weights, i)
                 lines.append(f"    {key!r}: {{'values': {v}, 'weights': {w}}}")
         return (
-            f"KeyedJaggedTensor(stride={self._stride}, capacity={self.capacity}, {{\n"
+            f"KeyedJaggedTensor({stride}, capacity={self.capacity}, {{\n"
             + ",\n".join(lines)
             + "\n})"
         )
+
+
+def _check_variable_strides(keys, num_lengths, stride, stride_per_key_per_rank, inverse_indices):
+    """``(ranks, inverse)`` of a variable-batch KJT, checked: ranks a tuple of int tuples."""
+    if isinstance(stride_per_key_per_rank, jax.Array) or len(stride_per_key_per_rank) != len(keys):
+        raise ValueError(
+            f"stride_per_key_per_rank must be a list of one list of ints per key ({len(keys)} keys), "
+            f"got {stride_per_key_per_rank!r}."
+        )
+    ranks = tuple(tuple(_static_ints("stride_per_key_per_rank", r)) for r in stride_per_key_per_rank)
+    if any(b < 0 for r in ranks for b in r):
+        raise ValueError(f"stride_per_key_per_rank must be >= 0, got {[list(r) for r in ranks]}.")
+    strides = [sum(r) for r in ranks]
+    if sum(strides) != num_lengths:
+        raise ValueError(
+            f"lengths has {num_lengths} entries but stride_per_key_per_rank gives "
+            f"{dict(zip(keys, strides))} bags, {sum(strides)} in all; lengths holds each key's bags in turn."
+        )
+    if stride is not None and stride != max(strides, default=0):
+        raise ValueError(
+            f"stride={stride} but a variable-batch KJT's stride is its largest key's, "
+            f"{max(strides, default=0)}; leave stride=None."
+        )
+    if inverse_indices is None:
+        return ranks, None
+    inverse_keys, inverse = inverse_indices
+    if _check_keys(inverse_keys) != tuple(keys):
+        raise ValueError(
+            f"inverse_indices must name the KJT's keys {list(keys)} in order, got {list(inverse_keys)}."
+        )
+    inverse = jnp.asarray(inverse)
+    if inverse.ndim != 2 or inverse.shape[0] != len(keys) or not jnp.issubdtype(inverse.dtype, jnp.integer):
+        raise ValueError(
+            f"inverse_indices must be an integer array [num_keys={len(keys)}, batch], got "
+            f"{inverse.dtype}{list(inverse.shape)}."
+        )
+    inverse = inverse.astype(jnp.int32)
+    host = _capacity.concrete_or_none(inverse)
+    if host is not None:
+        for k, (key, b) in enumerate(zip(keys, strides)):
+            bad = (host[k] < 0) | (host[k] >= b)
+            if bad.any():
+                sample = int(np.argmax(bad))
+                raise ValueError(
+                    f"inverse_indices[{k}] (key {key!r}) maps sample {sample} to bag "
+                    f"{int(host[k, sample])}, outside the key's {b} bags [0, {b})."
+                )
+    return ranks, inverse
+
+
+def _strides(kjt: KeyedJaggedTensor) -> tuple[int, ...]:
+    """Bags of each key."""
+    if kjt._ranks is None:
+        return (kjt._stride,) * len(kjt._keys)
+    return tuple(sum(r) for r in kjt._ranks)
+
+
+def _bounds(kjt: KeyedJaggedTensor) -> np.ndarray:
+    """Where each key's bags start in ``lengths`` (static), and the end: ``[num_keys + 1]``."""
+    return np.concatenate([[0], np.cumsum(_strides(kjt), dtype=np.int64)]).astype(int)
+
+
+def _key_lengths(kjt: KeyedJaggedTensor, i: int) -> jax.Array:
+    b = _bounds(kjt)
+    return kjt._lengths[b[i] : b[i + 1]]
 
 
 def _check_fits(needed: int, capacity: int) -> None:
@@ -414,7 +547,7 @@ def _host_length_per_key(kjt: KeyedJaggedTensor) -> np.ndarray | None:
     host = _capacity.concrete_or_none(kjt._lengths)
     if host is None:
         return None
-    return host.reshape(len(kjt._keys), kjt._stride).sum(axis=1, dtype=np.int64)
+    return np.diff(np.concatenate([[0], np.cumsum(host, dtype=np.int64)])[_bounds(kjt)])
 
 
 def _concat_parts(keys, stride, parts, capacity) -> KeyedJaggedTensor:
@@ -432,7 +565,9 @@ def _concat_parts(keys, stride, parts, capacity) -> KeyedJaggedTensor:
 
 @jax.jit
 def _length_per_key(kjt: KeyedJaggedTensor) -> jax.Array:
-    return kjt._lengths.reshape(len(kjt._keys), kjt._stride).sum(axis=1, dtype=jnp.int32)
+    if kjt._ranks is None:
+        return kjt._lengths.reshape(len(kjt._keys), kjt._stride).sum(axis=1, dtype=jnp.int32)
+    return jnp.diff(_gather.exclusive_cumsum(kjt._lengths)[_bounds(kjt)])
 
 
 @jax.jit
@@ -454,8 +589,7 @@ def _segment(kjt: KeyedJaggedTensor, start: int, end: int, capacity: int):
 @functools.partial(jax.jit, static_argnums=1)
 def _jagged_at(kjt: KeyedJaggedTensor, i: int) -> JaggedTensor:
     values, weights = _segment(kjt, i, i + 1, kjt.capacity)
-    lengths = kjt._lengths[i * kjt._stride : (i + 1) * kjt._stride]
-    return JaggedTensor._make(values, lengths, weights)
+    return JaggedTensor._make(values, _key_lengths(kjt, i), weights)
 
 
 @jax.jit
@@ -470,14 +604,20 @@ def _permute(kjt: KeyedJaggedTensor, indices: tuple[int, ...], capacity: int) ->
     values, weights = _gather.gather_segments(
         (kjt._values, kjt._weights), opk[:-1][idx], lpk[idx], capacity
     )
-    lengths = kjt._lengths.reshape(len(kjt._keys), kjt._stride)[idx].reshape(-1)
     keys = [kjt._keys[i] for i in indices]
-    return KeyedJaggedTensor._make(keys, kjt._stride, values, lengths, weights)
+    if kjt._ranks is None:
+        lengths = kjt._lengths.reshape(len(kjt._keys), kjt._stride)[idx].reshape(-1)
+        return KeyedJaggedTensor._make(keys, kjt._stride, values, lengths, weights)
+    lengths = jnp.concatenate([_key_lengths(kjt, i) for i in indices] + [kjt._lengths[:0]])
+    ranks = tuple(kjt._ranks[i] for i in indices)
+    inverse = None if kjt._inverse is None else kjt._inverse[idx]
+    stride = max((sum(r) for r in ranks), default=0)
+    return KeyedJaggedTensor._make(keys, stride, values, lengths, weights, ranks, inverse)
 
 
 @functools.partial(jax.jit, static_argnums=1)
 def _split(kjt: KeyedJaggedTensor, segments: tuple[int, ...]) -> list[KeyedJaggedTensor]:
-    out, start, stride = [], 0, kjt._stride
+    out, start, bounds = [], 0, _bounds(kjt)
     for seg in segments:
         end = start + seg
         if seg == 0:
@@ -485,8 +625,14 @@ def _split(kjt: KeyedJaggedTensor, segments: tuple[int, ...]) -> list[KeyedJagge
             weights = None if kjt._weights is None else jnp.zeros((0,), kjt._weights.dtype)
         else:
             values, weights = _segment(kjt, start, end, kjt.capacity)
-        lengths = kjt._lengths[start * stride : end * stride]
-        out.append(KeyedJaggedTensor._make(kjt._keys[start:end], stride, values, lengths, weights))
+        lengths = kjt._lengths[bounds[start] : bounds[end]]
+        if kjt._ranks is None:
+            out.append(KeyedJaggedTensor._make(kjt._keys[start:end], kjt._stride, values, lengths, weights))
+        else:
+            ranks = kjt._ranks[start:end]
+            inverse = None if kjt._inverse is None else kjt._inverse[start:end]
+            out.append(KeyedJaggedTensor._make(kjt._keys[start:end], max((sum(r) for r in ranks), default=0),
+                                               values, lengths, weights, ranks, inverse))
         start = end
     return out
 
@@ -502,4 +648,10 @@ def _concat(parts, keys, stride, capacity) -> KeyedJaggedTensor:
     flat_w = None if weights is None else jnp.concatenate(weights)
     out_v, out_w = _gather.gather_segments((flat_v, flat_w), starts, totals, capacity)
     lengths = jnp.concatenate([p.lengths() for p in parts])
-    return KeyedJaggedTensor._make(keys, stride, out_v, lengths, out_w)
+    if not any(getattr(p, "_ranks", None) is not None for p in parts):
+        return KeyedJaggedTensor._make(keys, stride, out_v, lengths, out_w)
+    ranks = sum((tuple(p._ranks) for p in parts), ())
+    inverses = [p._inverse for p in parts if p._keys]
+    inverse = None if any(x is None for x in inverses) else jnp.concatenate(inverses)
+    return KeyedJaggedTensor._make(keys, max((sum(r) for r in ranks), default=0), out_v, lengths, out_w,
+                                   ranks, inverse)
