@@ -47,7 +47,7 @@ def variable_batch(rng, batch, strides, weighted=False):
 
 def test_kjt_accessors_and_re_layouts():
     rng = np.random.default_rng(0)
-    vbe, _ = variable_batch(rng, 6, [2, 2, 6])
+    vbe, full = variable_batch(rng, 6, [2, 2, 6])
     assert vbe.variable_stride_per_key() and vbe.stride() == 6
     assert vbe.stride_per_key() == [2, 2, 6] and vbe.stride_per_key_per_rank() == [[2], [2], [6]]
     lengths = np.asarray(vbe.lengths())
@@ -60,8 +60,9 @@ def test_kjt_accessors_and_re_layouts():
                                   vbe["user"].values()[:lengths[:2].sum()])
     first, rest = vbe.split([1, 2])
     assert first.stride_per_key() == [2] and rest.stride_per_key() == [2, 6]
-    again = KeyedJaggedTensor.concat([first, rest])
+    again = KeyedJaggedTensor.concat([KeyedJaggedTensor.empty(), first, rest])  # keyless parts hold no bags
     assert again.stride_per_key() == [2, 2, 6]
+    assert KeyedJaggedTensor.concat([KeyedJaggedTensor.empty(), full]).stride() == full.stride() == 6
     np.testing.assert_array_equal(again.inverse_indices()[1], vbe.inverse_indices()[1])
     np.testing.assert_array_equal(again.lengths(), vbe.lengths())
     assert "stride_per_key=[2, 2, 6]" in repr(vbe)

@@ -423,14 +423,14 @@ class KeyedJaggedTensor:
                     f"variable-batch KJTs must all have inverse_indices over one batch, got batches "
                     f"{[None if k._inverse is None else k._inverse.shape[1] for k in keyed]}."
                 )
-            kjt_list = keyed  # the keyless parts hold no ids
+            kjt_list, stride = keyed, 0  # the keyless parts hold no ids; _concat takes the strides
         else:
             strides = {k._stride for k in keyed}
             if len(strides) > 1:
                 raise ValueError(
                     f"all KJTs must have the same stride, got {[k._stride for k in kjt_list]}."
                 )
-        stride = kjt_list[0]._stride if kjt_list else 0
+            stride = strides.pop() if strides else kjt_list[0]._stride
         keys = sum((k._keys for k in kjt_list), ())
         return _concat_parts(keys, stride, kjt_list, capacity)
 
