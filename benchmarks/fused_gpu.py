@@ -52,9 +52,11 @@ import jax.numpy as jnp  # noqa: E402
 import jaxlib  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from tbe_gpu import SETS, _nvidia_driver, timed  # noqa: E402
 
 import jaxrec  # noqa: E402
+from jaxrec.benchmark import NUM_ID_SETS as SETS  # noqa: E402
+from jaxrec.benchmark._environment import nvidia_driver  # noqa: E402
+from jaxrec.benchmark._measure import timed  # noqa: E402
 from jaxrec.fused import (  # noqa: E402
     FusedEmbeddingTables,
     fused_lookup,
@@ -62,7 +64,7 @@ from jaxrec.fused import (  # noqa: E402
     make_functional_train_step,
 )
 from jaxrec.ops import TableLayout, embedding_bag_lookup  # noqa: E402
-from jaxrec.ops.tbe_reference import bag_of_position, row_keys  # noqa: E402
+from jaxrec.ops.row_sort import sort_by_row_reference  # noqa: E402
 from jaxrec.optim import SGD, Adam, RowWiseAdagrad, init_state  # noqa: E402
 
 try:
@@ -139,14 +141,6 @@ def random_weights(rows, dim, bound, seed):
         return ((2.0 * u - 1.0) * bound).reshape(-1)
 
     return make()
-
-
-def sorted_keys(layout, indices, offsets):
-    """What fused_update asks XLA for before its kernel (jaxrec/fused/_update.py)."""
-    bag = bag_of_position(offsets, indices.shape[0])
-    key = row_keys(layout, indices, bag, offsets.shape[0] - 1)
-    k, p = jax.lax.sort_key_val(key, jnp.arange(indices.shape[0], dtype=indices.dtype))
-    return k, p, bag[p]
 
 
 def dense_loss(acts, v):
@@ -320,7 +314,7 @@ def jax_measurements(c, layout, offsets, batches, grads, weights):
         skipped["forward"] = f"{type(err).__name__}: {str(err)[:300]}"
 
     # The part of the fused backward that XLA does: bags, row keys and their sort.
-    sort = jax.jit(lambda i, o: sorted_keys(layout, i, o))
+    sort = jax.jit(lambda i, o: sort_by_row_reference(layout, i, o))
     try:
         times["sort_keys"] = jax_time(lambda i: sort(*batches[i]), c["iters"])
         hlo = sort.lower(*batches[0]).compile().as_text()
@@ -474,7 +468,7 @@ def main():
     results = []
     info = dict(device=device.device_kind, jax=jax.__version__, jaxlib=jaxlib.__version__,
                 jaxrec=jaxrec.__version__, jaxrec_build=jaxrec.build_info(),
-                torch=torch.__version__ if torch else None, driver=_nvidia_driver(), quick=args.quick,
+                torch=torch.__version__ if torch else None, driver=nvidia_driver(), quick=args.quick,
                 method="median of 5 repeats of back-to-back calls after warm-up; requests rotate among "
                        "4 pre-generated id sets (uniform, with duplicates); donated buffers threaded "
                        "from call to call; jaxrec without bounds check; PyTorch peers measured first "
