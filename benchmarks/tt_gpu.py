@@ -13,11 +13,8 @@ same id sets:
 - a dense fused TBE of the same shape (``FusedEmbeddingTables``, 11M x 64 float32, SGD).
 
 Reported: µs per id (nnz) for the whole step and for the forward alone, GFLOP/s with
-FBTT's count (``3 * 2 * nnz * (q0 r1 q1 r2 + q0 q1 r2 q2)`` for fwd+bwd), the
-compression ratio, and the LFU cache's hit rate under Zipf ids (cache of 0.1% and 1% of
-the rows, after counting 20 batches and one ``cache_populate``), with the step time of
-TT with the cache on those Zipf batches. FBTT's README reports 0.416 µs/nnz for this
-configuration (on a V100).
+FBTT's count (``3 * 2 * nnz * (q0 r1 q1 r2 + q0 q1 r2 q2)`` for fwd+bwd) and the
+compression ratio. FBTT's README reports 0.416 µs/nnz for this configuration (on a V100).
 """
 
 from __future__ import annotations
@@ -46,18 +43,11 @@ from jaxrec.optim import SGD
 P, Q, RANKS = (200, 220, 250), (4, 4, 4), (32, 32)
 
 
-def id_sets(rng, n_sets, batch, pooling, rows, zipf=None):
-    """(indices int32[B*L], offsets int32[B+1]) per set; uniform or Zipf(a) ids."""
-    sets = []
+def id_sets(rng, n_sets, batch, pooling, rows):
+    """(indices int32[B*L], offsets int32[B+1]) per set; uniform ids."""
     offsets = jnp.arange(0, batch * pooling + 1, pooling, dtype=jnp.int32)
-    for _ in range(n_sets):
-        if zipf is None:
-            ids = rng.integers(0, rows, batch * pooling)
-        else:  # Zipf over a random permutation of the rows, so hot ids are spread out
-            ids = (rng.zipf(zipf, batch * pooling) - 1) % rows
-            ids = (ids * 2654435761) % rows
-        sets.append((jnp.asarray(ids, jnp.int32), offsets))
-    return sets
+    return [(jnp.asarray(rng.integers(0, rows, batch * pooling), jnp.int32), offsets)
+            for _ in range(n_sets)]
 
 
 def train_step(lookup):
@@ -77,7 +67,7 @@ def time_step(step, tables, sets, grad_output, iters):
             state["p"], state["s"], state["tables"], indices, offsets, grad_output)
         return value
 
-    return timed(run, sets, iters, jax.block_until_ready), state["tables"]
+    return timed(run, sets, iters, jax.block_until_ready)
 
 
 def copy(cores):
@@ -123,7 +113,7 @@ def main(argv=None) -> int:
         step = train_step(lambda t, i, o, b=backend: tt_fused_lookup(
             t, i, o, bounds_check_mode="none", backend=b))
         tables = TTEmbeddingTables.create(layout, sgd, cores=copy(cores), name="tt")
-        seconds, _ = time_step(step, tables, sets, grad_output, args.iters)
+        seconds = time_step(step, tables, sets, grad_output, args.iters)
         forward = jax.jit(lambda c, i, o, b=backend: tt_fused_lookup(
             TTEmbeddingTables.create(layout, sgd, cores=c), i, o, bounds_check_mode="none",
             backend=b))
@@ -139,7 +129,7 @@ def main(argv=None) -> int:
     dense = FusedEmbeddingTables.create(tbe, sgd, weights=init_weights(jax.random.key(1), tbe),
                                         name="dense")
     step = train_step(lambda t, i, o: fused_lookup(t, i, o, bounds_check_mode="none"))
-    seconds, _ = time_step(step, dense, sets, grad_output, args.iters)
+    seconds = time_step(step, dense, sets, grad_output, args.iters)
     runs["dense_tbe"] = dict(step_us=seconds * 1e6, us_per_nnz=seconds * 1e6 / nnz)
     print("dense_tbe", runs["dense_tbe"], flush=True)
     del dense
@@ -147,38 +137,9 @@ def main(argv=None) -> int:
         runs["ratios"] = dict(jnp_over_kernel=runs["tt_jnp"]["step_us"] / runs["tt_kernel"]["step_us"],
                               kernel_over_dense_tbe=runs["tt_kernel"]["step_us"] / runs["dense_tbe"]["step_us"])
     result["runs"] = runs
-    result["cache"] = cache_runs(layout, cores, sgd, args, grad_output, device)
     write_json(args.out, result)
-    print(result["runs"].get("ratios"), result["cache"], file=sys.stderr)
+    print(result["runs"].get("ratios"), file=sys.stderr)
     return 0
-
-
-def cache_runs(layout, cores, sgd, args, grad_output, device):
-    """Hit rate of the LFU cache under Zipf ids, and the fused step time with it."""
-    out = []
-    rng = np.random.default_rng(1)
-    rows = layout.num_embeddings
-    backend = "kernel" if device.platform == "gpu" else "reference"
-    for exponent in (1.05, 1.2):
-        warm = id_sets(rng, 20, args.batch, args.pooling, rows, zipf=exponent)
-        test = id_sets(rng, 4, args.batch, args.pooling, rows, zipf=exponent)
-        for fraction in (0.001, 0.01):
-            size = max(1, int(rows * fraction))
-            tables = TTEmbeddingTables.create(layout, sgd, cores=copy(cores), cache_size=size,
-                                              hashtbl_size=4 * size, name="tt")
-            step = train_step(lambda t, i, o: tt_fused_lookup(t, i, o, bounds_check_mode="none",
-                                                              backend=backend))
-            seconds, tables = time_step(step, tables, warm, grad_output, 5)  # counts the ids
-            tables = tables.cache_populate()
-            hit = float(np.mean([tables.cache_hit_rate(i) for i, _ in test]))
-            seconds, _ = time_step(step, tables, test, grad_output, args.iters)
-            nocache = TTEmbeddingTables.create(layout, sgd, cores=copy(cores), name="tt")
-            base, _ = time_step(step, nocache, test, grad_output, args.iters)
-            out.append(dict(zipf=exponent, cache_fraction=fraction, cache_size=size,
-                            hit_rate=hit, step_us_with_cache=seconds * 1e6,
-                            step_us_without_cache=base * 1e6))
-            print(out[-1], flush=True)
-    return out
 
 
 if __name__ == "__main__":

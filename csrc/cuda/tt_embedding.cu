@@ -16,8 +16,8 @@
 // These are float32 atomicAdds into the gradient buffers (as in FBTT's kernels): the
 // summation order, hence the last bits of the core gradients, may vary between runs.
 // The per-sample-weight gradient <g, row> / len is <X_{T-1}, G_{T-1}> / len, which the
-// chain already has. A position whose weight is exactly 0 (a masked cache hit) costs
-// no chain in the forward and only the left chain in the backward (for its weight's
+// chain already has. A position whose weight is exactly 0 costs no chain in the
+// forward and only the left chain in the backward (for its weight's
 // gradient); padding positions (>= offsets[num_bags]) are never read. Bad input reads
 // nothing outside the cores or the indices: the positions and bags are clamped into
 // [0, N] (ClampBag), and an id outside [0, num_embeddings) is skipped like a weight of

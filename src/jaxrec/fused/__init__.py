@@ -25,13 +25,12 @@ from jaxrec.fused._train_step import (
     make_functional_train_step,
     set_learning_rate,
 )
-from jaxrec.fused._tt_tables import TTCacheState, TTEmbeddingTables, tt_fused_lookup
+from jaxrec.fused._tt_tables import TTEmbeddingTables, tt_fused_lookup
 from jaxrec.fused._update import fused_update
 
 __all__ = [
     "FunctionalTrainStep",
     "FusedEmbeddingTables",
-    "TTCacheState",
     "TTEmbeddingTables",
     "fused_lookup",
     "fused_update",

@@ -96,10 +96,6 @@ class TTConfig:
     """Column factorisation (prod == embedding_dim); None picks the most even one."""
     weight_dist: str = "approx-normal"
     """Initial distribution (``jaxrec.ops.tt_init``)."""
-    cache_size: int = 0
-    """Rows of the LFU cache of hot rows (fused training only); 0 = no cache."""
-    hashtbl_size: int = 0
-    """Counters of the cache's frequency table; 0 = 2 * cache_size."""
     optimizer: OptimizerConfig | None = None
     """The table's fused optimizer (SGD or Adagrad) when it differs from the collection's,
     e.g. a collection trained by RowWiseAdagrad whose TT table uses Adagrad."""

@@ -150,12 +150,6 @@ class GroupedTables(TableCollection):
                     {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step")} for n in names},
                     step=portable[names[0]]["step"])
 
-    def cache_populate(self) -> None:
-        """Refreshes the LFU cache of every TT table that has one (``TTEmbeddingBag.cache_populate``)."""
-        for g, var in zip(self.groups, self.tables):
-            if g.tt:
-                var.cache_populate()
-
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
         """One KJT per group, holding that group's features in its layout's order."""
         if not isinstance(features, KeyedJaggedTensor):
@@ -210,8 +204,8 @@ def _tt_module(config, optimizer, name: str, keys):
     return TTEmbeddingBag(
         config.num_embeddings, config.embedding_dim, tt_ranks=tt.tt_ranks,
         tt_p_shapes=tt.tt_p_shapes, tt_q_shapes=tt.tt_q_shapes, pooling=config.pooling,
-        weight_dist=tt.weight_dist, optimizer=optimizer, cache_size=tt.cache_size,
-        hashtbl_size=tt.hashtbl_size, rngs=nnx.Rngs(params=keys[config.name]), name=name)
+        weight_dist=tt.weight_dist, optimizer=optimizer, rngs=nnx.Rngs(params=keys[config.name]),
+        name=name)
 
 
 def concat_in_order(blocks: Sequence[tuple[str, jax.Array]], keys: Sequence[str]) -> jax.Array:

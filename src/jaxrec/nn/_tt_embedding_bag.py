@@ -4,10 +4,9 @@
 
     emb = TTEmbeddingBag(11_000_000, 64, tt_ranks=[32, 32],            # p, q factorised:
                          optimizer=jaxrec.optim.SGD(learning_rate=0.1),  # (200, 220, 250),
-                         cache_size=10_000, rngs=nnx.Rngs(0))            # (4, 4, 4)
+                         rngs=nnx.Rngs(0))                               # (4, 4, 4)
     out = emb(indices, offsets)          # [B, 64], as torch.nn.EmbeddingBag(mode="sum")
     emb.compression_ratio                # 734: 3.8 MB of cores instead of 2.8 GB
-    emb.cache_populate()                 # every so often, when the cache is on
 
 Two modes, as the collections have:
 
@@ -15,9 +14,7 @@ Two modes, as the collections have:
   ``jax.grad`` gives their dense gradients and optax trains them (FBTT's ``sparse=False``).
 * **fused** (``optimizer=SGD(...)`` or ``Adagrad(...)``, FBTT's ``sparse=True``): a
   ``FusedTables`` variable holding ``jaxrec.fused.TTEmbeddingTables``; the backward
-  updates the cores in place. Train with ``jaxrec.nn.make_train_step``. The LFU cache
-  (``cache_size > 0``) needs this mode: the fused backward trains the cached rows and
-  counts the ids.
+  updates the cores in place. Train with ``jaxrec.nn.make_train_step``.
 
 In both modes ``emb.cores`` reads the cores (a tuple of arrays) and ``emb.set_cores(cores)``
 writes them; ``cores=`` in the constructor starts from given cores (e.g. a decomposition
@@ -54,7 +51,6 @@ class TTEmbeddingBag(nnx.Module):
       weight_dist: "approx-normal" (default), "approx-uniform", "normal" or "uniform"
         (``jaxrec.ops.tt_init``).
       optimizer: ``None`` (plain) or ``jaxrec.optim.SGD`` / ``Adagrad`` (fused).
-      cache_size, hashtbl_size: the LFU cache of hot rows (fused mode only); 0 = off.
       rngs: ``rngs.params()`` initialises the cores.
       cores: the starting cores (T arrays of the layout's shapes) instead of random ones.
       bounds_check_mode, backend: as ``jaxrec.ops.tt_embedding_bag``.
@@ -65,8 +61,7 @@ class TTEmbeddingBag(nnx.Module):
                  tt_p_shapes: Sequence[int] | None = None,
                  tt_q_shapes: Sequence[int] | None = None,
                  pooling: PoolingMode | str = PoolingMode.SUM, weight_dist: str = "approx-normal",
-                 optimizer: OptimizerConfig | None = None, cache_size: int = 0,
-                 hashtbl_size: int = 0, rngs: nnx.Rngs,
+                 optimizer: OptimizerConfig | None = None, rngs: nnx.Rngs,
                  bounds_check_mode: BoundsCheckMode | str = BoundsCheckMode.WARNING,
                  backend: str = "auto", name: str = "tt",
                  cores: Sequence[jax.Array] | None = None):
@@ -79,15 +74,10 @@ class TTEmbeddingBag(nnx.Module):
         key = rngs.params()  # drawn either way: the model's other keys do not depend on cores=
         cores = self._copied(init_tt_cores(key, self.layout, weight_dist) if cores is None else cores)
         if optimizer is None:
-            if cache_size:
-                raise ValueError(f"TTEmbeddingBag {name!r}: cache_size={cache_size} needs fused "
-                                 "training (optimizer=jaxrec.optim.SGD(...) or Adagrad(...)): the "
-                                 "fused backward trains the cached rows and counts the ids")
             self.core_params = nnx.List([nnx.Param(c) for c in cores])
         else:
-            self.table = FusedTables(TTEmbeddingTables.create(
-                self.layout, optimizer, cores=cores, cache_size=cache_size,
-                hashtbl_size=hashtbl_size, name=name))
+            self.table = FusedTables(TTEmbeddingTables.create(self.layout, optimizer, cores=cores,
+                                                              name=name))
 
     @property
     def fused(self) -> bool:
@@ -129,20 +119,9 @@ class TTEmbeddingBag(nnx.Module):
         return self.layout.validate_cores(jnp.array(c, copy=True) for c in cores)
 
     def full_weight(self) -> jax.Array:
-        """The dense ``[num_embeddings, D]`` table (cached rows where cached): tests, export."""
+        """The dense ``[num_embeddings, D]`` table: tests, export."""
         if self.fused:
             return self.table.get_value().full_weight()
         return tt_full_weight(self.cores, layout=self.layout)
 
     materialize = full_weight
-
-    def cache_populate(self) -> None:
-        """Moves the most frequent ids into the cache (no-op without one); see TTEmbeddingTables."""
-        if self.fused:
-            self.table.set_value(self.table.get_value().cache_populate())
-
-    def cache_hit_rate(self, indices: jax.Array) -> jax.Array:
-        """Fraction of ``indices`` the cache serves now (0 without a cache)."""
-        if not self.fused:
-            return jnp.zeros((), jnp.float32)
-        return self.table.get_value().cache_hit_rate(indices)

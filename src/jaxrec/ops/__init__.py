@@ -13,7 +13,6 @@ from jaxrec.ops.tbe_kjt import embedding_bag_lookup_kjt
 from jaxrec.ops.tbe_layout import PoolingMode, TableLayout, init_weights
 from jaxrec.ops.tbe_reference import embedding_bag_reference
 from jaxrec.ops.tbe_sparse_grad import SparseRowGrad, embedding_bag_sparse_grad
-from jaxrec.ops.tt_cache import TTCache
 from jaxrec.ops.tt_embedding import tt_embedding_bag
 from jaxrec.ops.tt_init import WEIGHT_DISTS, init_tt_cores
 from jaxrec.ops.tt_layout import TTLayout, suggested_tt_shapes
@@ -26,7 +25,6 @@ __all__ = [
     "bounds_check_indices_reference",
     "PoolingMode",
     "SparseRowGrad",
-    "TTCache",
     "TTLayout",
     "TableLayout",
     "WEIGHT_DISTS",

@@ -16,7 +16,7 @@ On the GPU the forward and the gradient are CUDA kernels (``csrc/cuda/tt_embeddi
 one warp per id contracts the chain in shared memory; the pooling sums each bag in
 position order (deterministic). The gradient of the cores sums the contributions of all
 ids with float32 atomics, so its last bits may differ between runs (as FBTT's). A
-position whose per-sample weight is exactly 0 is skipped (the cache masks its hits so).
+position whose per-sample weight is exactly 0 is skipped (it adds nothing).
 Elsewhere (CPU) the op is the pure-jnp reference (``tt_reference.py``): a TT lookup is a
 chain of small GEMMs, which XLA's CPU backend already runs well, so there is no CPU kernel.
 
