@@ -295,6 +295,10 @@ def jax_measurements(c, layout, offsets, batches, grads, weights):
             box["w"] = random_weights(t * e, d, 1 / np.sqrt(e), c["seed"])
         return box["w"]
 
+    def fresh_weights():  # the initial weights again, in the same memory's place (tables up to 51 GB)
+        box["w"].delete()
+        return weights_now()
+
     def measure(name, fn, make_carry, step_batches, weights_of, call=None):
         """Times ``carry = (call or fn)(*carry, *step_batches[i])`` with the carry donated."""
         try:
@@ -345,7 +349,8 @@ def jax_measurements(c, layout, offsets, batches, grads, weights):
 
         def make_carry(config=OPTIMIZERS[opt]):
             v = jnp.copy(v0)
-            return v, optax.sgd(DENSE_LR).init(v), FusedEmbeddingTables.create(layout, config, weights=weights_now())
+            # Fresh weights: after the fused_* runs' random gradients, the steps' loss diverges.
+            return v, optax.sgd(DENSE_LR).init(v), FusedEmbeddingTables.create(layout, config, weights=fresh_weights())
 
         measure(f"step_{opt}" + ("" if donate else "_not_donated") + ("_bounds_check_none" if mode == "NONE" else ""),
                 train, make_carry, batches,
