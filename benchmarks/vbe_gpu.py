@@ -14,8 +14,6 @@ two inputs are checked equal first.
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +22,7 @@ import optax
 from flax import nnx
 
 from jaxrec.benchmark._environment import environment
+from jaxrec.benchmark._measure import timed
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
 from jaxrec.optim import RowWiseAdagrad
 from jaxrec.sparse import KeyedJaggedTensor
@@ -58,17 +57,9 @@ def batches(rng, s, sets=4):
     return keys, user_keys, item_keys, out
 
 
-def timed(call, iters):
-    for k in range(4):
-        jax.block_until_ready(call(k))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for k in range(iters):
-            out = call(k)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times) * 1e3
+def timed_ms(call, iters):
+    """Milliseconds per ``call(k)``, k rotating over the 4 id sets (jaxrec.benchmark's timing)."""
+    return timed(call, [(k,) for k in range(4)], iters, jax.block_until_ready) * 1e3
 
 
 def main():
@@ -86,7 +77,7 @@ def main():
     forward = jax.jit(lambda state, kjt: nnx.merge(graphdef, state)(kjt).values())
     np.testing.assert_allclose(forward(state, pairs[0][0]), forward(state, pairs[0][1]), rtol=1e-5, atol=1e-5)
     for which, name in ((0, "vbe"), (1, "expanded")):
-        ms[f"forward_{name}"] = timed(lambda k, w=which, st=state: forward(st, pairs[k % 4][w]), 50)
+        ms[f"forward_{name}"] = timed_ms(lambda k, w=which, st=state: forward(st, pairs[k][w]), 50)
     del model, state
 
     def loss_fn(model, kjt):
@@ -96,7 +87,7 @@ def main():
         model = EmbeddingBagCollection(tables, optimizer=RowWiseAdagrad(learning_rate=0.01), rngs=nnx.Rngs(0))
         dense = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
         step = make_train_step(loss_fn)
-        ms[f"step_{name}"] = timed(lambda k, w=which, m=model, d=dense, st=step: st(m, d, pairs[k % 4][w]), 20)
+        ms[f"step_{name}"] = timed_ms(lambda k, w=which, m=model, d=dense, st=step: st(m, d, pairs[k][w]), 20)
         del model, dense
     ids = {name: int(sum(int(np.asarray(p[w].lengths()).sum()) for p in pairs) / len(pairs))
            for w, name in ((0, "vbe"), (1, "expanded"))}
