@@ -8,9 +8,17 @@ import numpy as np
 import pytest
 from bounds_testing import random_case
 
+from jaxrec import _ffi
 from jaxrec.ops import TableLayout
 from jaxrec.ops.row_sort import sort_by_row, sort_by_row_reference
 from jaxrec.ops.tbe_reference import clamp_offsets
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu():
+    """The handler is the CPU's (the GPU sorts with XLA), so these tests run there on any machine."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 def assert_same_sort(layout, indices, offsets):
@@ -73,3 +81,18 @@ def test_keys_past_int32_are_refused():
     layout = TableLayout.from_embedding_specs([(2**30, 4), (2**30, 4)])
     with pytest.raises(ValueError, match="more than int32 row keys can number: pass int64 indices"):
         sort_by_row(layout, jnp.zeros(4, jnp.int32), jnp.array([0, 2, 4], jnp.int32))
+
+
+def test_the_handler_names_a_bad_operand():
+    """Past the wrapper: an operand of another dtype, or T values missing, is refused by name."""
+    assert _ffi.has_kernel("cpu")  # registers the CPU handlers
+    indices = jnp.zeros(4, jnp.int32)
+    result = jax.ShapeDtypeStruct((4,), jnp.int32)
+    call = jax.ffi.ffi_call("jaxrec_sort_by_row", (result, result, result))
+    rows, first = jnp.array([10], jnp.int32), jnp.array([0], jnp.int32)
+    with pytest.raises(Exception, match="must have the indices' dtype int32, got float32"):
+        jax.block_until_ready(call(indices, jnp.array([0.0, 4.0], jnp.float32), rows, first))
+    with pytest.raises(Exception, match="must hold T >= 1 values each, got 1 and 2"):
+        jax.block_until_ready(call(indices, jnp.array([0, 4], jnp.int32), rows, jnp.array([0, 0], jnp.int32)))
+    got = call(indices, jnp.array([0, 4], jnp.int32), rows, first)  # the control
+    np.testing.assert_array_equal(got[1], np.arange(4))
