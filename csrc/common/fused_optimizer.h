@@ -92,32 +92,38 @@ ffi::Error DispatchOptimizer(int32_t optimizer, Fn&& fn) {
 // That cuts the kernels' instantiations (most of the build time); the loads and stores
 // of a row are those of its layout either way. Not Adam's family: LAMB in Adam's kernel
 // made Adam 12% slower on the GPU (H200), so each keeps its own. KernelOf(k) is the kernel that
-// updates optimizer k; KernelPartner(k) the other optimizer that kernel k runs (k itself
-// when it runs one).
+// updates optimizer k (the one place that says which share); KernelPartner(k), derived from
+// it, the other optimizer that kernel k runs (k itself when it runs one).
 JAXREC_HOST_DEVICE constexpr OptimizerKind KernelOf(OptimizerKind k) {
-  switch (k) {
-    case OptimizerKind::kLarsSgd:
-      return OptimizerKind::kAdagrad;
-    default:
-      return k;
-  }
+  return k == OptimizerKind::kLarsSgd ? OptimizerKind::kAdagrad : k;
 }
+constexpr int kNumOptimizers = static_cast<int>(OptimizerKind::kLarsSgd) + 1;
 JAXREC_HOST_DEVICE constexpr OptimizerKind KernelPartner(OptimizerKind k) {
-  switch (k) {
-    case OptimizerKind::kAdagrad:
-      return OptimizerKind::kLarsSgd;
-    default:
-      return k;
+  for (int j = 0; j < kNumOptimizers; ++j) {
+    const OptimizerKind other = static_cast<OptimizerKind>(j);
+    if (other != k && KernelOf(other) == k) return other;
   }
+  return k;
 }
 JAXREC_HOST_DEVICE constexpr bool SameStateLayout(OptimizerKind a, OptimizerKind b) {
   return NumStates(a) == NumStates(b) && State1PerRow(a) == State1PerRow(b) &&
          State2PerRow(a) == State2PerRow(b);
 }
-static_assert(SameStateLayout(OptimizerKind::kLamb, OptimizerKind::kAdam) &&
-                  SameStateLayout(OptimizerKind::kPartialRowWiseLamb, OptimizerKind::kPartialRowWiseAdam) &&
-                  SameStateLayout(OptimizerKind::kLarsSgd, OptimizerKind::kAdagrad),
-              "a shared kernel loads and stores one state layout for both of its optimizers");
+// A shared kernel loads and stores one state layout for both of its optimizers, and runs at
+// most two (UpdateRowIn switches between a kernel's own optimizer and its partner).
+JAXREC_HOST_DEVICE constexpr bool KernelsShareSoundly() {
+  for (int j = 0; j < kNumOptimizers; ++j) {
+    const OptimizerKind k = static_cast<OptimizerKind>(j);
+    const OptimizerKind kernel = KernelOf(k);
+    if (!SameStateLayout(k, kernel) || KernelOf(kernel) != kernel) return false;
+    if (k != kernel && KernelPartner(kernel) != k) return false;  // a third optimizer in one kernel
+  }
+  return true;
+}
+static_assert(KernelsShareSoundly(), "each kernel runs optimizers of one state layout, at most two");
+static_assert(KernelPartner(OptimizerKind::kAdagrad) == OptimizerKind::kLarsSgd &&
+                  KernelPartner(OptimizerKind::kAdam) == OptimizerKind::kAdam,
+              "LARS-SGD runs in Adagrad's kernel; Adam's family keeps its own (comment above)");
 
 struct RowUpdateArgs {
   Hyperparams h;
