@@ -14,8 +14,6 @@ calls after a warm-up, rotating among 4 id sets.
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +21,7 @@ import numpy as np
 import optax
 
 from jaxrec.benchmark._environment import environment
+from jaxrec.benchmark._measure import timed as measured
 from jaxrec.fused import FusedEmbeddingTables, fused_lookup, make_functional_train_step
 from jaxrec.ops import TableLayout, embedding_bag_lookup, init_weights
 from jaxrec.optim import RowWiseAdagrad
@@ -35,17 +34,8 @@ STEP_ROWS = 10**5
 
 
 def timed(call, iters):
-    """Median seconds per call of `iters` back-to-back calls ``call(k)``, 5 repeats."""
-    for k in range(5):
-        jax.block_until_ready(call(k))
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for k in range(iters):
-            out = call(k)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - t0) / iters)
-    return statistics.median(times)
+    """Median seconds per ``call(k)``, k rotating over the 4 id sets (jaxrec.benchmark's timing)."""
+    return measured(call, [(k,) for k in range(4)], iters, jax.block_until_ready)
 
 
 def measure(shape):
