@@ -2,10 +2,11 @@
 // in. The table gradient is never materialised: each touched row is updated in place.
 //
 // As in the backward, the Python wrapper sorts the (row key, position) pairs with XLA's
-// sort (a CUB radix sort) and hands over each sorted position's bag. One warp per run
-// of equal keys then
-//   1. sums the run's gradient rows in sorted order into registers (4 columns per lane,
-//      kChunks chunks of 128 columns: the whole row stays in the warp). A long run (a
+// sort (a CUB radix sort) and hands over each sorted position's bag. One group of lanes
+// per run of equal keys (8 lanes for rows of up to 128 columns, four rows per warp; a
+// warp for wider rows) then
+//   1. sums the run's gradient rows in sorted order into registers (4 columns per lane
+//      per chunk: the whole row stays in the group). A long run (a
 //      Zipf head id: its length grows with the batch, and under sharding with the
 //      global batch) is cut at the multiples of kWindow of the sorted order: a first
 //      kernel sums each window's head (the part of a run that began in an earlier
@@ -117,8 +118,8 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   }
   if (ga.num_indices == 0 || ga.batch_size == 0) return ffi::Error::Success();
   const unsigned blocks = static_cast<unsigned>((ga.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  const int chunks = static_cast<int>((max_dim + 127) / 128);
-  if (chunks > kMaxChunks) return Invalid(kOp, "dims above 1024 are not supported by the fused kernel");
+  if (max_dim > 128 * kMaxChunks)
+    return Invalid(kOp, "dims above 1024 are not supported by the fused kernel");
   const int64_t windows = (ga.num_indices + kWindow - 1) / kWindow;
   a.partials = nullptr;
   a.partial_width = max_dim;
@@ -129,7 +130,6 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   }
   const unsigned window_blocks = static_cast<unsigned>((windows + kWarpsPerBlock - 1) / kWarpsPerBlock);
   const Launch l{stream,
-                 blocks,
                  window_blocks,
                  grad.typed_data<float>(),
                  weights_out->untyped_data(),
@@ -150,8 +150,8 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
         if (ffi::Error e = Check(cudaGetLastError(), "per-sample weight gradients"); e.failure()) return e;
       }
       return DispatchOptimizer(optimizer, [&](auto kind) {
-        LaunchWindowHeads<I>(l, chunks, a);
-        LaunchFused<KernelOf(decltype(kind)::value), W, I>(l, chunks, a);
+        LaunchWindowHeads<I>(l, static_cast<int>(max_dim), a);
+        LaunchFused<KernelOf(decltype(kind)::value), W, I>(l, static_cast<int>(max_dim), a);
         return Check(cudaGetLastError(), "fused update");
       });
     });

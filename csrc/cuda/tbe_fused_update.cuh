@@ -93,7 +93,6 @@ struct FusedArgs {
 
 struct Launch {
   cudaStream_t stream;
-  unsigned blocks;
   unsigned window_blocks;  // of WindowHeads (LaunchWindowHeads)
   const float* grad;
   void* weights;
@@ -105,16 +104,16 @@ struct Launch {
 };
 
 // Launches kernel kKind of the fused update (tbe_fused_update_kernels.cuh), for optimizer
-// a.kind (KernelOf(a.kind) == kKind), on weights W and ids I, for rows of up to 128 * chunks
-// columns. Instantiated by the two kernel units.
+// a.kind (KernelOf(a.kind) == kKind), on weights W and ids I, for rows of up to max_dim
+// (<= 128 * kMaxChunks) columns. Instantiated by the two kernel units.
 template <OptimizerKind kKind, typename W, typename I>
-void LaunchFused(const Launch& l, int chunks, const FusedArgs& a);
+void LaunchFused(const Launch& l, int max_dim, const FusedArgs& a);
 
 // Launches step 1's kernel of window heads (tbe_fused_update_kernels.cuh) when a.partials is
 // set; before LaunchFused, on the same stream. It depends on neither the optimizer nor the
 // weights: instantiated once, by tbe_fused_update_rowwise.cu.
 template <typename I>
-void LaunchWindowHeads(const Launch& l, int chunks, const FusedArgs& a);
+void LaunchWindowHeads(const Launch& l, int max_dim, const FusedArgs& a);
 
 }  // namespace fused_update
 }  // namespace jaxrec

@@ -14,23 +14,43 @@
 namespace jaxrec {
 namespace fused_update {
 
-// The row as one warp holds it: element i of lane `lane` is column 128 * (i / 4) + 4 * lane + i % 4.
-template <int kChunks>
+// A row as a group of kLanes lanes of a warp holds it (32: the whole warp; 8: four rows
+// per warp): element i of the group's lane `lane` is column 4 * kLanes * (i / 4) + 4 * lane
+// + i % 4. Every lane of the warp runs Reduce and All together (they shuffle over the
+// whole warp; a group's lanes are an aligned block of it, so the sums stay in the group).
+template <int kLanes, int kChunks>
 struct WarpRow {
+  static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32,
+                "a group is an aligned power-of-2 block of lanes");
   float w[4 * kChunks], g[4 * kChunks], s1[4 * kChunks], s2[4 * kChunks];
   int64_t dim;
-  int lane;
+  int lane;             // within the group
+  int group;            // within the warp
+  unsigned group_mask;  // the group's lanes
 
+  __device__ explicit WarpRow(unsigned thread)
+      : lane(static_cast<int>(thread % kLanes)),
+        group(static_cast<int>(thread % kWarpSize / kLanes)),
+        group_mask(kLanes == kWarpSize ? 0xffffffffu : ((1u << kLanes) - 1) << (group * kLanes)) {}
   __device__ static constexpr int Size() { return 4 * kChunks; }
-  __device__ __forceinline__ int64_t Column(int i) const { return 128 * (i / 4) + 4 * lane + i % 4; }
+  __device__ static constexpr int Width() { return 4 * kLanes; }  // columns of one chunk
+  __device__ __forceinline__ int64_t Column(int i) const { return Width() * (i / 4) + 4 * lane + i % 4; }
   __device__ __forceinline__ bool valid(int i) const { return Column(i) < dim; }
   __device__ __forceinline__ float Reduce(float x) const {
 #pragma unroll
-    for (int s = kWarpSize / 2; s > 0; s /= 2) x += __shfl_xor_sync(0xffffffff, x, s);
-    return x;  // every lane holds the same sum (each butterfly step adds a pair both ways)
+    for (int s = kLanes / 2; s > 0; s /= 2) x += __shfl_xor_sync(0xffffffff, x, s);
+    return x;  // every lane of the group holds the same sum (each butterfly step adds a pair both ways)
   }
-  __device__ __forceinline__ bool All(bool ok) const { return __all_sync(0xffffffff, ok); }
+  __device__ __forceinline__ bool All(bool ok) const {
+    return (__ballot_sync(0xffffffff, ok) & group_mask) == group_mask;
+  }
 };
+
+__device__ __forceinline__ int WarpMax(int x) {
+#pragma unroll
+  for (int s = kWarpSize / 2; s > 0; s /= 2) x = max(x, __shfl_xor_sync(0xffffffff, x, s));
+  return x;
+}
 
 __device__ __forceinline__ void Put4(float* dst, float4 v) {
   dst[0] = v.x;
@@ -57,21 +77,23 @@ __device__ __forceinline__ float4 RoundStochastic4(float4 v, const FusedArgs& a,
 }
 
 // Adds to row.g the gradient rows of the sorted entries from `begin` on, up to `end` or
-// the first entry of another key, in sorted order. The lanes read the entries 32 at a
-// time (key, position, bag -> scale and gradient row) and the warp then walks them in
-// order; the gradient loads of successive entries do not depend on each other, so many
-// are in flight at once.
-template <int kChunks, typename I>
-__device__ __forceinline__ void SumEntries(WarpRow<kChunks>& row, const float* __restrict__ grad,
+// the first entry of another key, in sorted order; a group that is not `active` adds
+// none (every lane of the warp calls this: the groups shuffle together). The lanes of a
+// group read its entries kLanes at a time (key, position, bag -> scale and gradient row)
+// and the group then walks them in order; the gradient loads of successive entries, and
+// of the groups' rows, do not depend on each other, so many are in flight at once.
+template <int kLanes, int kChunks, typename I>
+__device__ __forceinline__ void SumEntries(WarpRow<kLanes, kChunks>& row, const float* __restrict__ grad,
                                            const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
                                            const I* __restrict__ sorted_positions,
                                            const I* __restrict__ sorted_bags, const BackwardArgs& ga,
-                                           int64_t begin, int64_t end, I key) {
+                                           int64_t begin, int64_t end, I key, bool active) {
 #pragma unroll
   for (int e = 0; e < row.Size(); ++e) row.g[e] = 0.f;
-  for (int64_t base = begin;; base += kWarpSize) {
+  bool more = active;  // the group's entries may go on past those read so far
+  for (int64_t base = begin;; base += kLanes) {
     const int64_t j = base + row.lane;
-    const bool mine = j < end && sorted_keys[j] == key;  // a prefix of the lanes
+    const bool mine = more && j < end && sorted_keys[j] == key;  // a prefix of the group's lanes
     unsigned long long g_address = 0;
     float scale = 0.f;
     if (mine) {
@@ -82,15 +104,16 @@ __device__ __forceinline__ void SumEntries(WarpRow<kChunks>& row, const float* _
         g_address = reinterpret_cast<unsigned long long>(GradRow(ga, grad, bag, bag / ga.batch_size, p));
       }
     }
-    const int n = __popc(__ballot_sync(0xffffffff, mine));
+    const int n = __popc(__ballot_sync(0xffffffff, mine) & row.group_mask);
+    const int rounds = kLanes == kWarpSize ? n : WarpMax(n);
 #pragma unroll 8
-    for (int t = 0; t < n; ++t) {
-      const float* g = reinterpret_cast<const float*>(__shfl_sync(0xffffffff, g_address, t));
-      const float entry_scale = __shfl_sync(0xffffffff, scale, t);
-      if (g == nullptr) continue;  // the same for every lane: no divergence
+    for (int t = 0; t < rounds; ++t) {
+      const float* g = reinterpret_cast<const float*>(__shfl_sync(0xffffffff, g_address, t, kLanes));
+      const float entry_scale = __shfl_sync(0xffffffff, scale, t, kLanes);
+      if ((kLanes < kWarpSize && t >= n) || g == nullptr) continue;  // the same for the whole group
 #pragma unroll
       for (int k = 0; k < kChunks; ++k) {
-        const int64_t c = 128 * k + 4 * row.lane;
+        const int64_t c = row.Column(4 * k);
         if (c < row.dim) {
           float4 acc = Get4(row.g + 4 * k);
           Fma4(acc, entry_scale, LoadAny4(g + c, ColumnsLeft(row.dim, c)));
@@ -98,7 +121,12 @@ __device__ __forceinline__ void SumEntries(WarpRow<kChunks>& row, const float* _
         }
       }
     }
-    if (n < kWarpSize) break;
+    if constexpr (kLanes == kWarpSize) {  // as fast as before the groups (Adam's kernel)
+      if (n < kWarpSize) break;
+    } else {
+      more = more && n == kLanes;
+      if (!__any_sync(0xffffffff, more)) break;
+    }
   }
 }
 
@@ -116,47 +144,55 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   const I key = sorted_keys[begin];
   if (key == std::numeric_limits<I>::max() || sorted_keys[begin - 1] != key) return;
   if (!RunEntryOk(ga, sorted_positions[begin], sorted_bags[begin])) return;  // its run is skipped too
-  WarpRow<kChunks> row;
-  row.lane = threadIdx.x % kWarpSize;
+  WarpRow<kWarpSize, kChunks> row(threadIdx.x);
   row.dim = ga.dims[sorted_bags[begin] / ga.batch_size];
   SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, begin,
-             std::min(begin + kWindow, ga.num_indices), key);
+             std::min(begin + kWindow, ga.num_indices), key, true);
   float* partial = a.partials + w * a.partial_width;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    const int64_t c = 128 * k + 4 * row.lane;
+    const int64_t c = row.Column(4 * k);
     if (c < row.dim) StoreAny4(partial + c, Get4(row.g + 4 * k), ColumnsLeft(row.dim, c));
   }
 }
 
-template <OptimizerKind kKind, int kChunks, typename W, typename I>
+// Sorted entry i goes to group i % (32 / kLanes) of warp i / (32 / kLanes); a group whose
+// entry heads a run updates that run's row, the others idle along (no lane leaves before
+// the last shuffle). Several rows per warp (RowGroups): each row's loads wait on the
+// loads before them, and a warp of four groups keeps four such chains in flight.
+template <OptimizerKind kKind, int kLanes, int kChunks, typename W, typename I>
 __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
     FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ indices,
                 const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
                 const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
+  constexpr int kGroups = kWarpSize / kLanes;
   const BackwardArgs& ga = a.grad;
-  const int64_t i = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  WarpRow<kChunks> row;
-  row.lane = threadIdx.x % kWarpSize;
-  if (i >= ga.num_indices) return;
-  const I key = sorted_keys[i];
-  if (key == std::numeric_limits<I>::max() || (i > 0 && sorted_keys[i - 1] == key)) return;
-  if (!EntryOk(ga, indices, sorted_positions[i], sorted_bags[i])) return;  // not a row of its table
+  WarpRow<kLanes, kChunks> row(threadIdx.x);
+  const int64_t i = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kGroups + row.group;
+  bool active = i < ga.num_indices;
+  const I key = active ? sorted_keys[i] : I{0};
+  active = active && key != std::numeric_limits<I>::max() && !(i > 0 && sorted_keys[i - 1] == key) &&
+           EntryOk(ga, indices, sorted_positions[i], sorted_bags[i]);  // a row of its table
+  if (!__any_sync(0xffffffff, active)) return;                         // the whole warp
 
-  const int64_t f0 = sorted_bags[i] / ga.batch_size;
-  row.dim = ga.dims[f0];
-  const int64_t row_start =
-      ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
+  int64_t row_start = 0;
+  row.dim = 0;  // an idle group: no column is valid, nothing is loaded or stored
+  if (active) {
+    const int64_t f0 = sorted_bags[i] / ga.batch_size;
+    row.dim = ga.dims[f0];
+    row_start = ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
+  }
 
   // 1. The row's summed gradient, in sorted order: the run's entries in its first window,
   // then the head sums of the windows it continues into.
   const int64_t window_end = std::min((i / kWindow + 1) * kWindow, ga.num_indices);
-  SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, i, window_end, key);
-  for (int64_t w = i / kWindow + 1; w * kWindow < ga.num_indices && sorted_keys[w * kWindow] == key; ++w) {
+  SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, i, window_end, key, active);
+  for (int64_t w = i / kWindow + 1; active && w * kWindow < ga.num_indices && sorted_keys[w * kWindow] == key;
+       ++w) {
     const float* partial = a.partials + w * a.partial_width;
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
-      const int64_t c = 128 * k + 4 * row.lane;
+      const int64_t c = row.Column(4 * k);
       if (c < row.dim) {
         float4 acc = Get4(row.g + 4 * k);
         Fma4(acc, 1.f, LoadAny4(partial + c, ColumnsLeft(row.dim, c)));
@@ -170,7 +206,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   constexpr int kStates = NumStates(kKind);
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    const int64_t c = 128 * k + 4 * row.lane;
+    const int64_t c = row.Column(4 * k);
     const bool in = c < row.dim;
     const int count = in ? ColumnsLeft(row.dim, c) : 0;
     Put4(row.w + 4 * k, in ? LoadAny4(weights + row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
@@ -182,14 +218,14 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
     }
   }
   float s1_row = 0.f, s2_row = 0.f;
-  if constexpr (kS1Row) s1_row = a.state1.Load(key);
-  if constexpr (kS2Row) s2_row = a.state2.Load(key);
+  if constexpr (kS1Row) s1_row = active ? a.state1.Load(key) : 0.f;
+  if constexpr (kS2Row) s2_row = active ? a.state2.Load(key) : 0.f;
 
   RowUpdateArgs ua;
   ua.h = Hyperparams::Load(a.hparams);
   const int32_t new_step = *a.step + 1;
   ua.step = static_cast<float>(new_step);
-  ua.dim = static_cast<float>(row.dim);
+  ua.dim = static_cast<float>(active ? row.dim : 1);  // an idle group's row sums stay finite
   ua.weight_decay_mode = a.weight_decay_mode;
   UpdateRowIn<kKind>(a.kind, row, ua, s1_row, s2_row);
 
@@ -198,19 +234,21 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   if (a.stochastic_rounding) {
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
-      const int64_t c = 128 * k + 4 * row.lane;
+      const int64_t c = row.Column(4 * k);
       Put4(row.w + 4 * k,
            RoundStochastic4<W>(Get4(row.w + 4 * k), a, static_cast<uint32_t>(new_step), key, c));
     }
   }
-  if (!RowStaysFinite<kKind>(row, s1_row, s2_row, a.limits)) {
+  const bool finite = RowStaysFinite<kKind>(row, s1_row, s2_row, a.limits);  // the last shuffle
+  if (!active) return;
+  if (!finite) {
     if (row.lane == 0) atomicAdd(a.nonfinite_rows, 1);
     return;
   }
 
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
-    const int64_t c = 128 * k + 4 * row.lane;
+    const int64_t c = row.Column(4 * k);
     if (c >= row.dim) continue;
     const int count = ColumnsLeft(row.dim, c);
     StoreAny4(weights + row_start + c, Get4(row.w + 4 * k), count);
@@ -223,34 +261,52 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   }
 }
 
+// Whether kernel kKind gives rows of up to 128 columns to groups of 8 lanes (four rows per
+// warp) rather than a warp each. Measured on an H100 at T=32, E=1e6, D=128, B=4096, L=20
+// (benchmarks/results/fused_update_row_groups_h100_2026-11-26.json): SGD 1.50 vs 1.61 ms,
+// rowwise Adagrad 1.74 vs 2.07 (its per-row state is one more dependent load, which the
+// four rows of a warp overlap); but Adagrad 3.41 vs 2.51 and Adam 5.29 vs 3.79: rows with
+// per-element state need twice the registers in a group, and the fewer warps lose more
+// than the groups gain.
+constexpr bool RowGroups(OptimizerKind kind) {
+  return (NumStates(kind) < 1 || State1PerRow(kind)) && (NumStates(kind) < 2 || State2PerRow(kind));
+}
+
+// A row of up to 32 columns (one float4 per lane of a group or warp), up to 128 (four
+// float4 per lane of a group of 8 lanes; one per lane of a warp), up to 512, up to 1024.
 template <OptimizerKind kKind, typename W, typename I>
-void LaunchFused(const Launch& l, int chunks, const FusedArgs& a) {
-  const auto launch = [&](auto kernel) {
-    kernel<<<l.blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
+void LaunchFused(const Launch& l, int max_dim, const FusedArgs& a) {
+  const auto launch = [&](auto kernel, int lanes) {
+    const int64_t per_block = int64_t{kWarpsPerBlock} * (kWarpSize / lanes);
+    const auto blocks = static_cast<unsigned>((a.grad.num_indices + per_block - 1) / per_block);
+    kernel<<<blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
         l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.indices),
         static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
         static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
   };
-  if (chunks <= 1) {
-    launch(FusedUpdate<kKind, 1, W, I>);
-  } else if (chunks <= 4) {
-    launch(FusedUpdate<kKind, 4, W, I>);
+  constexpr int kSmall = RowGroups(kKind) ? 8 : kWarpSize;  // lanes per row of <= 128 columns
+  if (max_dim <= 4 * kSmall) {
+    launch(FusedUpdate<kKind, kSmall, 1, W, I>, kSmall);
+  } else if (max_dim <= 128) {
+    launch(FusedUpdate<kKind, kSmall, 128 / (4 * kSmall), W, I>, kSmall);
+  } else if (max_dim <= 512) {
+    launch(FusedUpdate<kKind, kWarpSize, 4, W, I>, kWarpSize);
   } else {
-    launch(FusedUpdate<kKind, kMaxChunks, W, I>);
+    launch(FusedUpdate<kKind, kWarpSize, kMaxChunks, W, I>, kWarpSize);
   }
 }
 
 template <typename I>
-void LaunchWindowHeads(const Launch& l, int chunks, const FusedArgs& a) {
+void LaunchWindowHeads(const Launch& l, int max_dim, const FusedArgs& a) {
   if (a.partials == nullptr) return;
   const auto launch = [&](auto heads) {
     heads<<<l.window_blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
         l.grad, static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
         static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
   };
-  if (chunks <= 1) {
+  if (max_dim <= 128) {
     launch(WindowHeads<1, I>);
-  } else if (chunks <= 4) {
+  } else if (max_dim <= 512) {
     launch(WindowHeads<4, I>);
   } else {
     launch(WindowHeads<kMaxChunks, I>);

@@ -144,6 +144,43 @@ def test_kernel_equals_reference(platform, name, weight_dtype, pooling, weighted
     assert moved > 1e-3
 
 
+# The CUDA kernel's row shapes (csrc/cuda/tbe_fused_update_kernels.cuh, LaunchFused): the
+# widest table picks one for the whole layout. Rows of <= 32 and <= 128 columns go to groups
+# of 8 lanes (four rows per warp), wider rows to a warp; each layout mixes a table at the
+# shape's limit with narrower ones of odd dims (partial chunks, idle lanes).
+WIDE_LAYOUTS = {
+    "le128": TableLayout(rows=(19, 11, 7), dims=(128, 37, 5), feature_table_map=(0, 1, 0, 2)),
+    "le512": TableLayout(rows=(13, 6), dims=(300, 129), feature_table_map=(0, 1, 1)),
+    "le1024": TableLayout(rows=(9, 5), dims=(1024, 513), feature_table_map=(0, 1)),
+}
+
+
+@pytest.mark.parametrize("shape", WIDE_LAYOUTS)
+@pytest.mark.parametrize("name, pooling, weighted", [("rowwise_adagrad_l2", PoolingMode.SUM, True),
+                                                     ("lamb", PoolingMode.MEAN, False),
+                                                     ("adagrad", PoolingMode.SUM, False)])
+def test_every_row_shape_of_the_kernel(platform, shape, name, pooling, weighted):
+    """Row sums (rowwise Adagrad's, LAMB's norms) and every column of rows of each width the
+    kernel has a shape for, with duplicates and empty bags, over two steps."""
+    layout, config = WIDE_LAYOUTS[shape], CONFIGS[name]
+    rng = np.random.default_rng(len(shape) * 7 + len(name))
+    wk, sk = random_inputs(rng, config, layout, pooling, weighted, jnp.float32)
+    kernel = _step(config, layout, pooling, weighted, "kernel")
+    reference = _step(config, layout, pooling, weighted, "reference")
+    for _ in range(2):
+        batch = random_step_batch(rng, layout, pooling, weighted)
+        assert len(set(batch[1][:batch[2][-1]])) < batch[2][-1]  # duplicates
+        wr, sr, gr, _ = reference(wk, sk, *batch)
+        wk, sk, gk, _ = kernel(wk, sk, *batch)
+        np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
+        for field in config.state_type._fields[1:]:
+            np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=1e-5, atol=1e-6,
+                                       err_msg=field)
+        if weighted:
+            np.testing.assert_allclose(gk, gr, rtol=1e-4, atol=1e-5)
+        wk, sk = wr, sr
+
+
 @pytest.mark.parametrize("state_dtype", [jnp.bfloat16, jnp.float16])
 def test_low_precision_state(platform, state_dtype):
     config = make(optim.PartialRowWiseAdam, state_dtype=state_dtype)

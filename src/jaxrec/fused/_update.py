@@ -17,11 +17,11 @@ one jit, ``grad_output`` must depend on the lookup's output (as a real gradient 
 otherwise XLA may schedule the in-place update before the lookup reads the table, and
 copies the table to keep the lookup correct.
 
-Kernels: the ids are sorted with XLA's sort (a radix sort on the GPU), then one CUDA warp
-(or one CPU task) per unique row sums the row's gradient in sorted order and applies
-``jaxrec.optim.update_rows``' math (csrc/common/fused_optimizer.h) to the row and its
-state. Deterministic run to run. The reference is ``embedding_bag_sparse_grad`` +
-``jaxrec.fused.fused_update_reference``.
+Kernels: the ids are sorted with XLA's sort (a radix sort on the GPU; a C++ radix sort on
+the CPU), then one group of CUDA lanes (docs/fused.md) or one CPU task per unique row sums
+the row's gradient in sorted order and applies ``jaxrec.optim.update_rows``' math
+(csrc/common/fused_optimizer.h) to the row and its state. Deterministic run to run. The
+reference is ``embedding_bag_sparse_grad`` + ``jaxrec.fused.fused_update_reference``.
 
 ``gradient_clipping`` is FBGEMM's: ``grad_output`` is clamped element-wise to
 ``[-max_gradient, max_gradient]`` before the backward, so the rows' summed gradients
