@@ -43,6 +43,7 @@ from jaxrec.optim import RowWiseAdagrad
 
 sys.path.insert(0, os.path.dirname(__file__))
 from sharded_dlrm_gpu import FULL, _memory_cap, bce
+from sharded_host_time import DispatchTimer
 
 DEFAULT_CASES = ("row_wise:1:bfloat16:1:rows,row_wise:4:bfloat16:1:rows,"
                  "table_wise:4:bfloat16:1:rows")
@@ -69,39 +70,6 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
     step = make_train_step(bce)
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
-
-
-class DispatchTimer:
-    """While active, the functions ``jax.jit`` returns add the seconds spent inside their
-    calls to ``seconds``, and keep doing so after: the compiled step's dispatch, apart
-    from the Python around it (the train step jits on its first call)."""
-
-    def __init__(self):
-        self.seconds = 0.0
-        self._jit = jax.jit
-
-    def __enter__(self):
-        timer = self
-
-        class Timed:
-            def __init__(self, jitted):
-                self._jitted = jitted
-
-            def __call__(self, *args, **kwargs):
-                start = time.perf_counter()
-                try:
-                    return self._jitted(*args, **kwargs)
-                finally:
-                    timer.seconds += time.perf_counter() - start
-
-            def __getattr__(self, name):
-                return getattr(self._jitted, name)
-
-        jax.jit = lambda *args, **kwargs: Timed(self._jit(*args, **kwargs))
-        return self
-
-    def __exit__(self, *exc):
-        jax.jit = self._jit
 
 
 def host_profile(call, batches, top: int, steps: int = 50) -> list[dict]:
