@@ -7,9 +7,9 @@
 // A `Row` holds the elements of one embedding row that the caller owns, as float32:
 // w[i], g[i] (the row's summed gradient), s1[i], s2[i] (per-element state), for
 // i < Row::Size(). Elements past the row's dim hold 0 and are never stored. Row sums
-// go through row.Reduce(partial): the CPU owns the whole row (identity), a CUDA warp
-// owns 4 columns per lane (a shuffle reduction), so this code is written once; row.All(ok)
-// is the same for a flag.
+// go through row.Reduce(partial): the CPU owns the whole row (identity), a CUDA group of
+// lanes owns 4 columns per lane and chunk (a shuffle reduction), so this code is written
+// once; row.All(ok) is the same for a flag.
 #pragma once
 
 #include <cmath>
@@ -263,7 +263,7 @@ struct FiniteLimits {
 };
 
 // Whether every value of `row` (and the per-row states) that UpdateRow set stays finite
-// as stored; for a CUDA warp, across all its lanes (row.All).
+// as stored; for a CUDA group of lanes, across all of them (row.All).
 template <OptimizerKind kKind, typename Row>
 JAXREC_HOST_DEVICE bool RowStaysFinite(const Row& row, float s1_row, float s2_row,
                                        const FiniteLimits& limit) {

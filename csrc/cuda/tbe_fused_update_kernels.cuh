@@ -19,7 +19,7 @@ namespace fused_update {
 // + i % 4. Every lane of the warp runs Reduce and All together (they shuffle over the
 // whole warp; a group's lanes are an aligned block of it, so the sums stay in the group).
 template <int kLanes, int kChunks>
-struct WarpRow {
+struct GroupRow {
   static_assert(kLanes == 8 || kLanes == 16 || kLanes == 32,
                 "a group is an aligned power-of-2 block of lanes");
   float w[4 * kChunks], g[4 * kChunks], s1[4 * kChunks], s2[4 * kChunks];
@@ -28,7 +28,7 @@ struct WarpRow {
   int group;            // within the warp
   unsigned group_mask;  // the group's lanes
 
-  __device__ explicit WarpRow(unsigned thread)
+  __device__ explicit GroupRow(unsigned thread)
       : lane(static_cast<int>(thread % kLanes)),
         group(static_cast<int>(thread % kWarpSize / kLanes)),
         group_mask(kLanes == kWarpSize ? 0xffffffffu : ((1u << kLanes) - 1) << (group * kLanes)) {}
@@ -83,7 +83,7 @@ __device__ __forceinline__ float4 RoundStochastic4(float4 v, const FusedArgs& a,
 // and the group then walks them in order; the gradient loads of successive entries, and
 // of the groups' rows, do not depend on each other, so many are in flight at once.
 template <int kLanes, int kChunks, typename I>
-__device__ __forceinline__ void SumEntries(WarpRow<kLanes, kChunks>& row, const float* __restrict__ grad,
+__device__ __forceinline__ void SumEntries(GroupRow<kLanes, kChunks>& row, const float* __restrict__ grad,
                                            const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
                                            const I* __restrict__ sorted_positions,
                                            const I* __restrict__ sorted_bags, const BackwardArgs& ga,
@@ -144,7 +144,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   const I key = sorted_keys[begin];
   if (key == std::numeric_limits<I>::max() || sorted_keys[begin - 1] != key) return;
   if (!RunEntryOk(ga, sorted_positions[begin], sorted_bags[begin])) return;  // its run is skipped too
-  WarpRow<kWarpSize, kChunks> row(threadIdx.x);
+  GroupRow<kWarpSize, kChunks> row(threadIdx.x);
   row.dim = ga.dims[sorted_bags[begin] / ga.batch_size];
   SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, begin,
              std::min(begin + kWindow, ga.num_indices), key, true);
@@ -167,7 +167,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
                 const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
   constexpr int kGroups = kWarpSize / kLanes;
   const BackwardArgs& ga = a.grad;
-  WarpRow<kLanes, kChunks> row(threadIdx.x);
+  GroupRow<kLanes, kChunks> row(threadIdx.x);
   const int64_t i = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kGroups + row.group;
   bool active = i < ga.num_indices;
   const I key = active ? sorted_keys[i] : I{0};
