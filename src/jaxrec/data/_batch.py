@@ -183,23 +183,31 @@ def make_batch(
     labels: np.ndarray,
     num_valid: int,
     capacity: int,
+    inverse_indices: np.ndarray | None = None,
 ) -> Batch:
     """A ``Batch`` from host arrays.
 
     ``lengths``: int [num_keys, B] (key-major, padding rows 0); ``values``: the ids, key-major
     (all bags of key 0, then key 1, ...); ``dense`` [B, D]; ``labels`` [B]; the first
     ``num_valid`` rows are real. ``capacity`` is the static size of the KJT's values.
+    ``inverse_indices`` int [num_keys, B]: row b of the batch uses bag ``[k, b]`` of key k
+    (a variable-batch KJT, every key with B bags); None: row b uses bag b.
     """
     batch_size = labels.shape[0]
     mask = np.zeros((batch_size,), np.float32)
     mask[:num_valid] = 1.0
-    sparse = KeyedJaggedTensor.from_lengths_sync(
-        list(keys),
-        np.asarray(values, np.int32),
-        np.asarray(lengths, np.int32).reshape(-1),
-        stride=batch_size,
-        capacity=capacity,
-    )
+    values = np.asarray(values, np.int32)
+    lengths = np.asarray(lengths, np.int32).reshape(-1)
+    if inverse_indices is None:
+        sparse = KeyedJaggedTensor.from_lengths_sync(
+            list(keys), values, lengths, stride=batch_size, capacity=capacity
+        )
+    else:
+        sparse = KeyedJaggedTensor(
+            list(keys), values, lengths=lengths, capacity=capacity,
+            stride_per_key_per_rank=[[batch_size]] * len(keys),
+            inverse_indices=(list(keys), np.asarray(inverse_indices, np.int32)),
+        )
     return Batch(
         dense=jax.numpy.asarray(np.asarray(dense, np.float32)),
         sparse=sparse,
@@ -214,15 +222,47 @@ def batch_from_ids(
     dense: np.ndarray,
     labels: np.ndarray,
     num_valid: int,
+    dedup_keys: Sequence[str] = (),
 ) -> Batch:
     """A ``Batch`` with at most one id per (row, key): ``ids`` int [B, num_keys], -1 = no id
-    (an empty bag). Rows past ``num_valid`` are padding (empty bags). Capacity B * num_keys."""
+    (an empty bag). Rows past ``num_valid`` are padding (empty bags). Capacity B * num_keys.
+
+    ``dedup_keys``: the ids of these keys are looked up once per distinct id of the batch
+    (TorchRec's variable batch per key, VBE): such a key holds one bag per distinct id, then
+    empty bags up to B (every key keeps B bags, so that every batch has one static shape),
+    and the KJT's ``inverse_indices`` map each row to its bag; a row without an id (padding
+    rows too) maps to an empty bag, which exists since then fewer than B rows have ids.
+    """
     batch_size, num_keys = ids.shape
     present = ids >= 0
     present[num_valid:] = False
+    inverse = None
+    if dedup_keys:
+        ids, present = ids.copy(), present.copy()
+        inverse = np.tile(np.arange(batch_size, dtype=np.int32), (num_keys, 1))
+        for k, key in enumerate(keys):
+            if key not in dedup_keys:
+                continue
+            distinct, rows = np.unique(ids[present[:, k], k], return_inverse=True)
+            inverse[k] = batch_size - 1  # an empty bag, for the rows without an id
+            inverse[k, present[:, k]] = rows
+            ids[:, k] = -1
+            ids[: distinct.size, k] = distinct
+            present[:, k] = ids[:, k] >= 0
     present_t = present.T
     values = ids.T[present_t]  # key-major
     return make_batch(
         keys, values, present_t.astype(np.int32), dense, labels, num_valid,
-        capacity=batch_size * num_keys,
+        capacity=batch_size * num_keys, inverse_indices=inverse,
     )
+
+
+def check_dedup_keys(dedup_keys: Sequence[str], keys: Sequence[str]) -> tuple[str, ...]:
+    """``dedup_keys`` as a tuple of the reader's keys, or a ``ValueError`` that lists them."""
+    if isinstance(dedup_keys, str):
+        dedup_keys = (dedup_keys,)
+    unknown = [k for k in dedup_keys if k not in keys]
+    if unknown:
+        raise ValueError(f"dedup_keys={list(dedup_keys)} names {unknown}, which are not keys of this "
+                         f"reader; its keys are {list(keys)}.")
+    return tuple(dedup_keys)

@@ -34,7 +34,7 @@ Decisions:
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -46,6 +46,7 @@ from jaxrec.data._batch import (
     batch_from_ids,
     check_batch_size,
     check_data_file,
+    check_dedup_keys,
     check_last_batch,
     rebatch,
 )
@@ -235,6 +236,9 @@ class MovieLensReader:
         (``passes``; ``iter(reader)`` is pass 0), so that a dropped last batch is never the
         same ratings twice.
       last_batch: ``"pad"`` (pad with mask 0) or ``"drop"`` a partial last batch.
+      dedup_keys: keys whose ids a batch looks up once per distinct id, e.g.
+        ``("user_id",)``: a user with several ratings in a batch is one bag, expanded to its
+        rows by the KJT's ``inverse_indices`` (TorchRec's VBE).
 
     Attributes ``num_users`` / ``num_items`` are the table sizes, ``user_ids`` /
     ``item_ids`` the raw ids (the id of row ``r`` is ``user_ids[r]`` when nothing is
@@ -254,6 +258,7 @@ class MovieLensReader:
         max_rows: int | None = None,
         shuffle_seed: int | None = None,
         last_batch: str = "pad",
+        dedup_keys: Sequence[str] = (),
     ):
         if isinstance(source, MovieLensRatings):
             self.ratings, name = source, "the ratings"
@@ -272,6 +277,7 @@ class MovieLensReader:
             _rows(self.item_ids, self.ratings.items, "item", name) % self.num_items,
         ], axis=1)
         self.shuffle_seed = shuffle_seed
+        self.dedup_keys = check_dedup_keys(dedup_keys, self.keys)
         if len(self) == 0:
             raise ValueError(
                 f"{name}: batch_size={self.batch_size} is larger than its "
@@ -298,7 +304,7 @@ class MovieLensReader:
         dense = np.zeros((len(labels), 0), np.float32)
         chunks = [(labels, dense, ids)]
         for (lab, den, idx), num_valid in rebatch(chunks, self.batch_size, self.last_batch):
-            yield batch_from_ids(self.keys, idx, den, lab, num_valid)
+            yield batch_from_ids(self.keys, idx, den, lab, num_valid, self.dedup_keys)
 
 
 def _check_in_memory(ratings: MovieLensRatings, name: str) -> None:
