@@ -12,8 +12,8 @@ and ``indices`` has a static capacity ``N``; slots past the last offset are padd
 Modes (FBGEMM's ``BoundsCheckMode``, same values):
 
 * ``FATAL``: raise an error that names the feature, its table, the bag and the bad
-  offset or id. Under ``jit`` it is raised when the computation runs, as a
-  ``JaxRuntimeError`` carrying the same message.
+  offset or id: a ``JaxRuntimeError`` carrying that message, raised when the computation
+  runs (under ``jit``, and also for an eager call, which JAX runs as a computation too).
 * ``WARNING``: correct, and return in ``num_corrected`` how many bags and ids were
   corrected (FBGEMM's ``warning`` counter).
 * ``IGNORE``: correct silently (``num_corrected`` is 0).
