@@ -121,7 +121,7 @@ __device__ __forceinline__ void SumEntries(GroupRow<kLanes, kChunks>& row, const
         }
       }
     }
-    if constexpr (kLanes == kWarpSize) {  // as fast as before the groups (Adam's kernel)
+    if constexpr (kLanes == kWarpSize) {  // a warp per row: its own count decides, no vote
       if (n < kWarpSize) break;
     } else {
       more = more && n == kLanes;
