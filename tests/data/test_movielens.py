@@ -246,6 +246,26 @@ def test_max_rows_folds_the_dense_index(tmp_path, max_rows):
         MovieLensReader(ratings, batch_size=4, max_rows=0)
 
 
+def test_rows_map_any_split_as_the_batches_do(tmp_path):
+    """``reader.rows(split)``: each rating's (user row, item row) as the reader's batches
+    would hold it, folded by max_rows; an id outside the vocabulary is named."""
+    ratings = load_movielens_ratings(write(tmp_path / "u.data", make_ratings(60, seed=10), "tab"))
+    train, test = (MovieLensRatings(*(f[part] for f in ratings)) for part in (slice(0, 45), slice(45, 60)))
+    user_ids, item_ids = movielens_ids(train, test)
+    reader = MovieLensReader(train, batch_size=45, user_ids=user_ids, item_ids=item_ids, max_rows=20)
+    (batch,) = reader
+    got = bags(batch.sparse)
+    np.testing.assert_array_equal(reader.rows(), [(u[0], i[0]) for u, i in zip(got["user_id"], got["item_id"])])
+    held_out = reader.rows(test)
+    np.testing.assert_array_equal(held_out, np.stack([np.searchsorted(user_ids, test.users) % 20,
+                                                      np.searchsorted(item_ids, test.items) % 20], 1))
+    alone = MovieLensReader(train, batch_size=45)  # its vocabulary: the training ids only
+    unseen = [u for u in test.users if u not in set(train.users)]  # in file order
+    assert unseen
+    with pytest.raises(ValueError, match=rf"the ratings: user id {unseen[0]} is not in user_ids"):
+        alone.rows(test)
+
+
 @pytest.mark.parametrize("fmt", ["tab", "dat", "csv"])
 @pytest.mark.parametrize("bad", ["nan", "inf", "-inf", "NaN", "0", "5.5", "-1", "1e9"])
 def test_error_rating_not_on_the_star_scale(tmp_path, fmt, bad):

@@ -272,10 +272,7 @@ class MovieLensReader:
         self.item_ids = _vocabulary(item_ids, self.ratings.items, "item_ids")
         self.num_users = min(self.user_ids.size, self.max_rows or self.user_ids.size)
         self.num_items = min(self.item_ids.size, self.max_rows or self.item_ids.size)
-        self._rows = np.stack([  # index % size folds exactly the indices >= max_rows
-            _rows(self.user_ids, self.ratings.users, "user", name) % self.num_users,
-            _rows(self.item_ids, self.ratings.items, "item", name) % self.num_items,
-        ], axis=1)
+        self._rows = self._table_rows(self.ratings, name)
         self.shuffle_seed = shuffle_seed
         self.dedup_keys = check_dedup_keys(dedup_keys, self.keys)
         if len(self) == 0:
@@ -284,6 +281,21 @@ class MovieLensReader:
                 f"{len(self.ratings)} ratings, and last_batch='drop' drops them all; pass a "
                 "smaller batch_size or last_batch='pad'."
             )
+
+    def rows(self, ratings: MovieLensRatings | None = None) -> np.ndarray:
+        """int64 ``[n, 2]``: the (user row, item row) of each rating of ``ratings`` (default:
+        the reader's own), as this reader's batches hold them: raw ids through ``user_ids``
+        / ``item_ids``, folded by ``max_rows``. E.g. a held-out split's rows, to evaluate
+        against. An id outside the vocabulary is a ``ValueError``."""
+        if ratings is None:
+            return self._rows.copy()
+        return self._table_rows(ratings, "the ratings")
+
+    def _table_rows(self, ratings: MovieLensRatings, name: str) -> np.ndarray:
+        return np.stack([  # index % size folds exactly the indices >= max_rows
+            _rows(self.user_ids, ratings.users, "user", name) % self.num_users,
+            _rows(self.item_ids, ratings.items, "item", name) % self.num_items,
+        ], axis=1)
 
     def __len__(self) -> int:
         """Batches per pass."""

@@ -152,17 +152,15 @@ def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
             f"{path}: {len(train)} training ratings of at least --positive-threshold "
             f"{config.positive_threshold:g} stars, fewer than one batch (--batch-size "
             f"{config.batch_size}): pass a smaller --batch-size or a lower --positive-threshold")
-    common = dict(batch_size=config.batch_size, user_ids=user_ids, item_ids=item_ids,
-                  max_rows=config.max_rows)
-    reader = data.MovieLensReader(train, shuffle_seed=config.seed, last_batch="drop", **common)
+    reader = data.MovieLensReader(train, batch_size=config.batch_size, user_ids=user_ids,
+                                  item_ids=item_ids, max_rows=config.max_rows,
+                                  shuffle_seed=config.seed, last_batch="drop")
     num_users, num_items = reader.num_users, reader.num_items
     if config.top_k > num_items:
         raise ValueError(f"--top-k {config.top_k} is more than the {num_items} items of "
                          f"{path}: pass a --top-k of at most {num_items}")
 
-    def rows(part):  # (user row, item row) per rating, as the reader maps them
-        return data.MovieLensReader(part, **common)._rows
-
+    rows = reader.rows  # (user row, item row) per rating, as the reader maps them
     train_rows = rows(train)
     val_rows = None if val is None or len(val) == 0 else rows(val)
     test_rows = rows(test) if len(test) else np.zeros((0, 2), np.int64)
