@@ -94,6 +94,19 @@ def random_step_batch(rng, layout, pooling, weighted):
     return grad_output, indices, offsets, psw
 
 
+def assert_same_update(config, got, want, weighted, rtol):
+    """The kernel's ``(weights, state, grad_psw, ...)`` against the reference's ``(weights,
+    state, grad_psw)``: weights within ``rtol`` (atol ``rtol / 10``), every state buffer within
+    ``rtol`` (atol 1e-6), and the per-sample weights' gradient when ``weighted``."""
+    (wk, sk, gk, *_), (wr, sr, gr) = got, want
+    np.testing.assert_allclose(wk, wr, rtol=rtol, atol=rtol / 10)
+    for field in config.state_type._fields[1:]:
+        np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=rtol, atol=1e-6,
+                                   err_msg=field)
+    if weighted:
+        np.testing.assert_allclose(gk, gr, rtol=1e-4, atol=1e-5)
+
+
 def touched_mask(layout, batches):
     """bool[num_weights]: the elements of every row some batch reads."""
     mask = np.zeros(layout.num_weights, bool)
@@ -171,13 +184,7 @@ def test_every_row_shape_of_the_kernel(platform, shape, name, pooling, weighted)
         batch = random_step_batch(rng, layout, pooling, weighted)
         assert len(set(batch[1][:batch[2][-1]])) < batch[2][-1]  # duplicates
         wr, sr, gr, _ = reference(wk, sk, *batch)
-        wk, sk, gk, _ = kernel(wk, sk, *batch)
-        np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
-        for field in config.state_type._fields[1:]:
-            np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=1e-5, atol=1e-6,
-                                       err_msg=field)
-        if weighted:
-            np.testing.assert_allclose(gk, gr, rtol=1e-4, atol=1e-5)
+        assert_same_update(config, kernel(wk, sk, *batch), (wr, sr, gr), weighted, rtol=1e-5)
         wk, sk = wr, sr
 
 
@@ -284,14 +291,9 @@ def test_hot_rows_longer_than_a_window(platform, name, pooling, weighted):
         assert np.sum(indices[:offsets[-1]] == 0) > 3 * 256
         grad_output = rng.normal(size=(batch_size, LAYOUT.total_dim)).astype(np.float32)
         psw = rng.normal(size=indices.shape).astype(np.float32)
-        wk, sk, gk, _ = kernel(w0, s0, grad_output, indices, offsets, psw)
         wr, sr, gr, _ = reference(w0, s0, grad_output, indices, offsets, psw)
-        np.testing.assert_allclose(wk, wr, rtol=1e-4, atol=1e-5)
-        for field in config.state_type._fields[1:]:
-            np.testing.assert_allclose(getattr(sk, field), getattr(sr, field), rtol=1e-4, atol=1e-6,
-                                       err_msg=field)
-        if weighted:
-            np.testing.assert_allclose(gk, gr, rtol=1e-4, atol=1e-5)
+        assert_same_update(config, kernel(w0, s0, grad_output, indices, offsets, psw), (wr, sr, gr),
+                           weighted, rtol=1e-4)
         assert np.max(np.abs(np.asarray(wr) - np.asarray(w0))) > 1e-3
         w0, s0 = wr, sr
 
