@@ -4,12 +4,14 @@
 
 ``jaxrec.fused.fused_update`` (weights and state donated, bounds check NONE) for SGD,
 rowwise Adagrad, Adam, Adagrad and LAMB at the shape of issue 20's table (T=32 tables of E=1e6 rows,
-D=128, B=4096, L=20 uniform ids with duplicates, fp32): median of 5 repeats of 20
+D=128, B=4096, L=20 uniform ids with duplicates; float32 weights, and three 16-bit cases): median of 5 repeats of 20
 back-to-back calls after 8 warm-up calls, rotating among 4 id sets. It checks that the
 weights stay finite. Used for the kept-row check (csrc/common/fused_optimizer.h,
 ``RowStaysFinite``): benchmarks/results/fused_update_nonfinite_check_h100_2026-11-26.json, and
 for the kernels that optimizers of one state layout share (``KernelOf``):
-benchmarks/results/fused_update_shared_kernels_<device>_<date>.json.
+benchmarks/results/fused_update_shared_kernels_<device>_<date>.json; for a kernel per weight
+dtype against one reading weights at their runtime dtype:
+benchmarks/results/fused_update_weight_dtype_ab_h100_2026-11-26.json.
 """
 import json
 import statistics
@@ -31,11 +33,17 @@ ids = [jnp.asarray(rng.integers(0, E, T * B * L).astype(np.int32)) for _ in rang
 offsets = jnp.arange(T * B + 1, dtype=jnp.int32) * L
 g = jnp.asarray(rng.normal(size=(B, T * D)).astype(np.float32))
 res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "ms": {}}
-CONFIGS = [("sgd", optim.SGD(learning_rate=0.01)), ("rowwise_adagrad", optim.RowWiseAdagrad(learning_rate=0.01)),
-           ("adam", optim.Adam(learning_rate=0.01)), ("adagrad", optim.Adagrad(learning_rate=0.01)),
-           ("lamb", optim.LAMB(learning_rate=0.01))]
-for name, cfg in CONFIGS:
-    w = jax.random.uniform(jax.random.key(1), (layout.num_weights,), jnp.float32, -0.1, 0.1)
+CONFIGS = [  # name, optimizer, weight dtype
+    ("sgd", optim.SGD(learning_rate=0.01), jnp.float32),
+    ("rowwise_adagrad", optim.RowWiseAdagrad(learning_rate=0.01), jnp.float32),
+    ("adam", optim.Adam(learning_rate=0.01), jnp.float32),
+    ("adagrad", optim.Adagrad(learning_rate=0.01), jnp.float32),
+    ("lamb", optim.LAMB(learning_rate=0.01), jnp.float32),
+    ("sgd_bf16", optim.SGD(learning_rate=0.01), jnp.bfloat16),
+    ("rowwise_adagrad_bf16_sr", optim.RowWiseAdagrad(learning_rate=0.01, stochastic_rounding=True), jnp.bfloat16),
+    ("adam_f16", optim.Adam(learning_rate=0.01), jnp.float16)]
+for name, cfg, weight_dtype in CONFIGS:
+    w = jax.random.uniform(jax.random.key(1), (layout.num_weights,), jnp.float32, -0.1, 0.1).astype(weight_dtype)
     s = optim.init_state(cfg, layout)
     step = jax.jit(lambda w, s, i, cfg=cfg: fused_update(w, s, g, i, offsets, layout=layout, config=cfg,
                                                           bounds_check_mode="NONE"), donate_argnums=(0, 1))
