@@ -184,3 +184,22 @@ def test_resume_applies_a_new_temperature_and_refuses_new_pairs_or_metrics(ratin
         with pytest.raises(ValueError, match=said):
             train(config(ratings, tmp_path, steps=8, checkpoint_dir=ck, resume=True,
                          **{"temperature": 0.5, **change}))
+
+
+def test_side_features_join_the_towers(tmp_path):
+    """--side-features: each user_* / item_* field is a table of its own, the towers embed
+    them (MF sums a side's), and the run trains and evaluates as with ids alone."""
+    folder = tmp_path / "ml"
+    folder.mkdir()
+    path = write_ratings(folder / "u.data")
+    train_testing.write_side_features(folder, users=25, items=30)
+    record = train(config(path, tmp_path, side_features=True, steps=8, eval_every=4))
+    assert record["status"] == "completed" and record["config"]["side_features"] is True
+    assert record["data"]["features"] == ["user_id", "item_id", "user_age", "user_gender",
+                                          "user_occupation", "item_genres", "item_decade"]
+    assert record["data"]["table_sizes"][2:] == [7, 2, 5, 19, 7]  # age groups, ..., decades seen
+    assert all(0 <= v <= 1 for v in record["final"].values())
+    with pytest.raises(FileNotFoundError, match="u.user and u.item"):  # the files are needed
+        train(config(write_ratings(tmp_path / "u.data"), tmp_path, side_features=True))
+    with pytest.raises(ValueError, match="--side-features applies to --task retrieval"):
+        TrainConfig(data=f"movielens:{path}", side_features=True)

@@ -4,6 +4,9 @@
 - ``MovieLensReader``, ``load_movielens_ratings``, ``movielens_100k_split``,
   ``movielens_ids``: MovieLens ratings (ML-100K ``u.data`` and splits, ML-1M/10M
   ``ratings.dat``, ``ratings.csv``), ids re-indexed densely.
+- ``load_movielens_side_features``, ``MovieLensSideFeatures``: the users' and movies' fields
+  (age group, gender, occupation; genres, decade) as categorical ids, for
+  ``MovieLensReader(side_features=...)``.
 - ``random_split``, ``k_fold``, ``leave_last_out``, ``temporal_split``: train / validation /
   test parts of a ratings set (disjoint, covering, deterministic by seed).
 - ``DataFormatError`` (a malformed file, naming the line) and ``DataFileError`` (a file
@@ -33,6 +36,12 @@ from jaxrec.data._movielens import (
     movielens_100k_split,
     movielens_ids,
 )
+from jaxrec.data._movielens_side import (
+    MOVIELENS_ITEM_FEATURES,
+    MOVIELENS_USER_FEATURES,
+    MovieLensSideFeatures,
+    load_movielens_side_features,
+)
 from jaxrec.data._prefetch import Prefetcher
 from jaxrec.data._splits import k_fold, leave_last_out, random_split, temporal_split
 from jaxrec.data._synthetic import BagLengths, SyntheticClickLog, SyntheticSample
@@ -42,8 +51,10 @@ __all__ = [
     "CRITEO_KAGGLE_CARDINALITIES",
     "CRITEO_SPARSE_KEYS",
     "MOVIELENS_100K_SPLITS",
+    "MOVIELENS_ITEM_FEATURES",
     "MOVIELENS_KEYS",
     "MOVIELENS_RATING_RANGE",
+    "MOVIELENS_USER_FEATURES",
     "BagLengths",
     "Batch",
     "CriteoReader",
@@ -51,6 +62,7 @@ __all__ = [
     "DataFormatError",
     "MovieLensRatings",
     "MovieLensReader",
+    "MovieLensSideFeatures",
     "Prefetcher",
     "SyntheticClickLog",
     "SyntheticSample",
@@ -59,6 +71,7 @@ __all__ = [
     "k_fold",
     "leave_last_out",
     "load_movielens_ratings",
+    "load_movielens_side_features",
     "movielens_100k_split",
     "movielens_ids",
     "random_split",

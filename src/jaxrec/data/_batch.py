@@ -224,36 +224,49 @@ def batch_from_ids(
     num_valid: int,
     dedup_keys: Sequence[str] = (),
 ) -> Batch:
-    """A ``Batch`` with at most one id per (row, key): ``ids`` int [B, num_keys], -1 = no id
-    (an empty bag). Rows past ``num_valid`` are padding (empty bags). Capacity B * num_keys.
+    """A ``Batch`` from ``ids`` int [B, C], one column per entry of ``keys``, -1 = no id.
 
-    ``dedup_keys``: the ids of these keys are looked up once per distinct id of the batch
-    (TorchRec's variable batch per key, VBE): such a key holds one bag per distinct id, then
-    empty bags up to B (every key keeps B bags, so that every batch has one static shape),
-    and the KJT's ``inverse_indices`` map each row to its bag; a row without an id (padding
-    rows too) maps to an empty bag, which exists since then fewer than B rows have ids.
+    A key named once holds at most one id per row; a key named by several columns (e.g.
+    ``("user_id", "item_id", "genre", "genre", "genre")``) holds a bag of up to that many
+    ids per row, in column order (multi-valued features such as a movie's genres). The
+    batch's keys are the distinct names in order of first appearance. Rows past
+    ``num_valid`` are padding (empty bags). Capacity B * C.
+
+    ``dedup_keys`` (single-column keys only): the ids of these keys are looked up once per
+    distinct id of the batch (TorchRec's variable batch per key, VBE): such a key holds one
+    bag per distinct id, then empty bags up to B (every key keeps B bags, so that every
+    batch has one static shape), and the KJT's ``inverse_indices`` map each row to its
+    bag; a row without an id (padding rows too) maps to an empty bag, which exists since
+    then fewer than B rows have ids.
     """
-    batch_size, num_keys = ids.shape
+    batch_size, num_columns = ids.shape
+    names = list(dict.fromkeys(keys))
+    columns = [[c for c, k in enumerate(keys) if k == name] for name in names]
     present = ids >= 0
     present[num_valid:] = False
     inverse = None
     if dedup_keys:
+        multi = [n for n, cols in zip(names, columns) if n in dedup_keys and len(cols) > 1]
+        if multi:
+            raise ValueError(f"dedup_keys {multi} hold several ids per row; only single-id keys "
+                             "can be looked up once per distinct id")
         ids, present = ids.copy(), present.copy()
-        inverse = np.tile(np.arange(batch_size, dtype=np.int32), (num_keys, 1))
-        for k, key in enumerate(keys):
-            if key not in dedup_keys:
+        inverse = np.tile(np.arange(batch_size, dtype=np.int32), (len(names), 1))
+        for k, (name, cols) in enumerate(zip(names, columns)):
+            if name not in dedup_keys:
                 continue
-            distinct, rows = np.unique(ids[present[:, k], k], return_inverse=True)
+            (c,) = cols
+            distinct, rows = np.unique(ids[present[:, c], c], return_inverse=True)
             inverse[k] = batch_size - 1  # an empty bag, for the rows without an id
-            inverse[k, present[:, k]] = rows
-            ids[:, k] = -1
-            ids[: distinct.size, k] = distinct
-            present[:, k] = ids[:, k] >= 0
-    present_t = present.T
-    values = ids.T[present_t]  # key-major
+            inverse[k, present[:, c]] = rows
+            ids[:, c] = -1
+            ids[: distinct.size, c] = distinct
+            present[:, c] = ids[:, c] >= 0
+    lengths = np.stack([present[:, cols].sum(axis=1) for cols in columns])
+    values = np.concatenate([ids[:, cols][present[:, cols]] for cols in columns])  # key-major
     return make_batch(
-        keys, values, present_t.astype(np.int32), dense, labels, num_valid,
-        capacity=batch_size * num_keys, inverse_indices=inverse,
+        names, values, lengths, dense, labels, num_valid,
+        capacity=batch_size * num_columns, inverse_indices=inverse,
     )
 
 

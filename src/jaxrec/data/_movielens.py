@@ -50,6 +50,7 @@ from jaxrec.data._batch import (
     check_last_batch,
     rebatch,
 )
+from jaxrec.data._movielens_side import MovieLensSideFeatures
 
 MOVIELENS_KEYS = ("user_id", "item_id")
 MOVIELENS_100K_SPLITS = ("u1", "u2", "u3", "u4", "u5", "ua", "ub")
@@ -239,14 +240,15 @@ class MovieLensReader:
       dedup_keys: keys whose ids a batch looks up once per distinct id, e.g.
         ``("user_id",)``: a user with several ratings in a batch is one bag, expanded to its
         rows by the KJT's ``inverse_indices`` (TorchRec's VBE).
+      side_features: ``load_movielens_side_features(folder)``: each batch also holds the
+        rating's user's and movie's side ids (``user_age``, ..., ``item_genres`` a bag of
+        several), keyed by raw id; a user or movie without side ids gets empty bags.
 
     Attributes ``num_users`` / ``num_items`` are the table sizes, ``user_ids`` /
     ``item_ids`` the raw ids (the id of row ``r`` is ``user_ids[r]`` when nothing is
     folded). An empty source, a non-finite rating or ``"drop"`` with fewer ratings than
     ``batch_size`` is a ``ValueError`` here, not an empty pass later.
     """
-
-    keys = MOVIELENS_KEYS
 
     def __init__(
         self,
@@ -259,6 +261,7 @@ class MovieLensReader:
         shuffle_seed: int | None = None,
         last_batch: str = "pad",
         dedup_keys: Sequence[str] = (),
+        side_features: MovieLensSideFeatures | None = None,
     ):
         if isinstance(source, MovieLensRatings):
             self.ratings, name = source, "the ratings"
@@ -273,6 +276,13 @@ class MovieLensReader:
         self.num_users = min(self.user_ids.size, self.max_rows or self.user_ids.size)
         self.num_items = min(self.item_ids.size, self.max_rows or self.item_ids.size)
         self._rows = self._table_rows(self.ratings, name)
+        self.side_features = side_features
+        self._column_keys = list(MOVIELENS_KEYS)  # the key of each id column of a batch
+        if side_features is not None:
+            self._column_keys += [f for f, c in side_features.columns.items() for _ in range(c.shape[1])]
+            self._rows = np.concatenate(
+                [self._rows, self._side_ids(self.ratings.users, self.ratings.items)], axis=1)
+        self.keys = tuple(dict.fromkeys(self._column_keys))
         self.shuffle_seed = shuffle_seed
         self.dedup_keys = check_dedup_keys(dedup_keys, self.keys)
         if len(self) == 0:
@@ -282,13 +292,42 @@ class MovieLensReader:
                 "smaller batch_size or last_batch='pad'."
             )
 
+    def _side_ids(self, users: np.ndarray, items: np.ndarray) -> np.ndarray:
+        """int64 [n, side columns]: the side ids of each (raw user, raw item), -1 = none."""
+        side = self.side_features
+        parts = []
+        for name, column in side.columns.items():
+            ids, raw = (side.user_ids, users) if name.startswith("user_") else (side.item_ids, items)
+            pos = np.minimum(np.searchsorted(ids, raw), ids.size - 1)
+            found = ids[pos] == raw
+            parts.append(np.where(found[:, None], column[pos], -1))
+        return np.concatenate(parts, axis=1)
+
+    def every_row(self) -> Batch:
+        """One batch of every user row and every item row, to embed them all (e.g.
+        ``query, candidate = model.embed(batch.sparse)``, then ``query[:num_users]`` and
+        ``candidate[:num_items]``): row ``r`` holds user row ``r`` and item row ``r`` (no item
+        past the smaller table; users repeat) with their side ids (those of the first raw
+        id folded into the row). Labels are 0."""
+        size = max(self.num_users, self.num_items)
+        rows = np.arange(size)
+        ids = np.stack([rows % self.num_users, np.where(rows < self.num_items, rows, -1)], axis=1)
+        if self.side_features is not None:
+            side = self._side_ids(self.user_ids[rows % self.num_users],
+                                  self.item_ids[rows % self.num_items])
+            item_columns = ~np.array([k.startswith("user_") for k in self._column_keys[2:]])
+            side[np.ix_(rows >= self.num_items, item_columns)] = -1  # no item in these rows
+            ids = np.concatenate([ids, side], axis=1)
+        return batch_from_ids(self._column_keys, ids, np.zeros((size, 0), np.float32),
+                              np.zeros(size, np.float32), size)
+
     def rows(self, ratings: MovieLensRatings | None = None) -> np.ndarray:
         """int64 ``[n, 2]``: the (user row, item row) of each rating of ``ratings`` (default:
         the reader's own), as this reader's batches hold them: raw ids through ``user_ids``
         / ``item_ids``, folded by ``max_rows``. E.g. a held-out split's rows, to evaluate
         against. An id outside the vocabulary is a ``ValueError``."""
         if ratings is None:
-            return self._rows.copy()
+            return self._rows[:, :2].copy()
         return self._table_rows(ratings, "the ratings")
 
     def _table_rows(self, ratings: MovieLensRatings, name: str) -> np.ndarray:
@@ -316,7 +355,7 @@ class MovieLensReader:
         dense = np.zeros((len(labels), 0), np.float32)
         chunks = [(labels, dense, ids)]
         for (lab, den, idx), num_valid in rebatch(chunks, self.batch_size, self.last_batch):
-            yield batch_from_ids(self.keys, idx, den, lab, num_valid, self.dedup_keys)
+            yield batch_from_ids(self._column_keys, idx, den, lab, num_valid, self.dedup_keys)
 
 
 def _check_in_memory(ratings: MovieLensRatings, name: str) -> None:

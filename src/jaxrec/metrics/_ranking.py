@@ -30,7 +30,9 @@ from numpy.typing import ArrayLike
 def ranking_metrics(scores: ArrayLike, relevant: ArrayLike, k: int, *,
                     exclude: ArrayLike | None = None) -> dict[str, float]:
     """``{"recall@k", "ndcg@k", "hit_rate@k", "mrr"}`` (with ``k`` spelled out, e.g.
-    ``"recall@10"``) of one ranking (module doc)."""
+    ``"recall@10"``) of one ranking (module doc). ``mrr`` has no ``@k``: it ranks every
+    item, while ``jaxrec train --task retrieval`` reports ``mrr@k``, which counts a first
+    relevant item only within the top ``k`` (0 otherwise), since it retrieves only those."""
     ranks, counts = _relevant_ranks(scores, relevant, k, exclude)
     in_top = ranks <= k  # [Q, I]: relevant and ranked within the top k
     discounts = np.where(in_top, 1.0 / np.log2(ranks + 1.0), 0.0)

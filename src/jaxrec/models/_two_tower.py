@@ -5,8 +5,10 @@
     candidate feats --EBC--> [B, Dc] --candidate MLP--> c [B, H] --+
 
 With ``layer_sizes=()`` the towers are the identity and the score is the dot product of
-the pooled embeddings, i.e. matrix factorisation (then Dq must equal Dc). The towers' last
-layer has no activation, so scores can be negative.
+the pooled embeddings, i.e. matrix factorisation: a side with several features (an id and
+side features) is the sum of their embeddings, as in LightFM, so every feature needs the
+same width. With towers, a side's embeddings are concatenated into its MLP. The towers'
+last layer has no activation, so scores can be negative.
 
 ``biased=True`` is biased matrix factorisation (Koren's SVD baseline + factors): the last
 column of each side's pooled embedding is that user's or item's bias, and the score is
@@ -58,11 +60,13 @@ class TwoTower(nnx.Module):
         if layer_sizes:
             self.query_tower = OverArch(widths[0], layer_sizes, rngs=rngs)
             self.candidate_tower = OverArch(widths[1], layer_sizes, rngs=rngs)
-        elif widths[0] != widths[1]:
-            raise ValueError(f"without towers (layer_sizes=()) the query and candidate embeddings "
-                             f"need one width, got {widths[0]} and {widths[1]}")
+        elif len({dims[f] for f in [*self.query_features, *self.candidate_features]}) != 1:
+            raise ValueError("without towers (layer_sizes=()) every feature's embedding needs one "
+                             "width (a side is their sum), got "
+                             f"{ {f: dims[f] for f in [*self.query_features, *self.candidate_features]} }")
         else:
             self.query_tower = self.candidate_tower = None
+            widths = [dims[self.query_features[0]]] * 2
         if biased and (layer_sizes or widths[0] < 2):
             raise ValueError("biased=True needs layer_sizes=() (matrix factorisation) and "
                              f"embeddings of at least 2 columns (factors + bias), got layer_sizes="
@@ -86,8 +90,9 @@ class TwoTower(nnx.Module):
         over the batch (``in_batch_softmax_loss``) and for indexing the candidates
         (``jaxrec.ops.top_k_retrieval``)."""
         pooled = self.sparse_arch(sparse_features)
+        if self.query_tower is None:  # matrix factorisation: a side is the sum of its features
+            return (sum(pooled[f] for f in self.query_features),
+                    sum(pooled[f] for f in self.candidate_features))
         query = jnp.concatenate([pooled[f] for f in self.query_features], axis=1)
         candidate = jnp.concatenate([pooled[f] for f in self.candidate_features], axis=1)
-        if self.query_tower is not None:
-            query, candidate = self.query_tower(query), self.candidate_tower(candidate)
-        return query, candidate
+        return self.query_tower(query), self.candidate_tower(candidate)

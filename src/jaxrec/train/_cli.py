@@ -78,6 +78,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int,
                    help=f"retrieval: K of Recall@K (early stopping, best model), NDCG@K, "
                         f"HitRate@K, MRR@K (default {TOP_K})")
+    p.add_argument("--side-features", action="store_const", const=True,
+                   help="retrieval: the towers also embed the users' and movies' fields (age "
+                        "group, gender, occupation; genres, decade) from u.user / u.item "
+                        "(ML-100K) or users.dat / movies.dat (ML-1M) beside the ratings")
     p.add_argument("--checkpoint-dir")
     p.add_argument("--checkpoint-every", type=int, help="default: at each evaluation")
     p.add_argument("--resume", action="store_true", help="continue the newest checkpoint")

@@ -35,7 +35,7 @@ TABLE_OPTIMIZERS = {
 RESUME_MUST_MATCH = ("data", "task", "model", "seed", "table_optimizer", "dense_optimizer",
                      "batch_size", "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows",
                      "eval_batches", "val_fraction", "positive_threshold", "retrieval_loss",
-                     "top_k")
+                     "top_k", "side_features")
 # Applied to the restored state (the rates), read by the loss each step (weight_decay,
 # temperature), or by the loop at each evaluation (patience: the count restarts from the
 # restored curve).
@@ -117,6 +117,10 @@ class TrainConfig:
     top_k: int | None = None
     """Retrieval only (default 10): K of Recall@K, NDCG@K, HitRate@K and MRR@K; early
     stopping and the best model follow Recall@K."""
+    side_features: bool | None = None
+    """Retrieval only (default False): the towers also embed the users' and movies' fields
+    (``jaxrec.data.load_movielens_side_features``: ML-100K's u.user and u.item, or ML-1M's
+    users.dat and movies.dat, beside the ratings)."""
     checkpoint_dir: str | None = None
     checkpoint_every: int | None = None
     """Steps between checkpoints; default: at each evaluation."""
@@ -214,7 +218,7 @@ class TrainConfig:
 
     def _check_retrieval(self) -> None:
         """The retrieval flags: refused for the other tasks, defaulted and checked here."""
-        names = ("positive_threshold", "retrieval_loss", "temperature", "top_k")
+        names = ("positive_threshold", "retrieval_loss", "temperature", "top_k", "side_features")
         if self.task != "retrieval":
             given = [flag(n) for n in names if getattr(self, n) is not None]
             if given:
@@ -246,7 +250,8 @@ class TrainConfig:
         top_k = TOP_K if self.top_k is None else self.top_k
         _int_at_least("top_k", top_k, 1, "pass e.g. --top-k 10")
         for name, value in (("positive_threshold", float(threshold)), ("retrieval_loss", loss),
-                            ("temperature", temperature), ("top_k", top_k)):
+                            ("temperature", temperature), ("top_k", top_k),
+                            ("side_features", bool(self.side_features))):
             object.__setattr__(self, name, value)
 
     def resume_differences(self, saved: dict) -> tuple[list[str], list[str]]:

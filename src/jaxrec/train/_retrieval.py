@@ -7,6 +7,11 @@ ratings task (``ratings_splits``), positives only, so they are disjoint. Ids are
 table rows of the ratings task (every user and item of the file, positive or not), so
 every item of the file is a candidate.
 
+Features. ``user_id`` and ``item_id``; with ``side_features`` also the users' and movies'
+fields (``jaxrec.data.load_movielens_side_features``), each its own table: the query
+tower embeds ``user_*``, the candidate tower ``item_*`` (matrix factorisation sums a
+side's embeddings, as LightFM does; towers concatenate them).
+
 Training. Batches of training positives; ``softmax``: ``in_batch_softmax_loss`` with the
 logQ correction, ``log q(item) = log(count(item) / positives)`` over the training
 positives, and a batch's repeated items are not each other's negatives; ``bpr``:
@@ -38,7 +43,6 @@ import numpy as np
 from flax import nnx
 
 from jaxrec import data
-from jaxrec.data._batch import batch_from_ids
 from jaxrec.models import TwoTower, bpr_loss, in_batch_softmax_loss
 from jaxrec.ops import top_k_retrieval
 from jaxrec.train._config import TrainConfig
@@ -152,9 +156,12 @@ def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
             f"{path}: {len(train)} training ratings of at least --positive-threshold "
             f"{config.positive_threshold:g} stars, fewer than one batch (--batch-size "
             f"{config.batch_size}): pass a smaller --batch-size or a lower --positive-threshold")
+    side = None
+    if config.side_features:
+        side = data.load_movielens_side_features(path if path.is_dir() else path.parent)
     reader = data.MovieLensReader(train, batch_size=config.batch_size, user_ids=user_ids,
                                   item_ids=item_ids, max_rows=config.max_rows,
-                                  shuffle_seed=config.seed, last_batch="drop")
+                                  shuffle_seed=config.seed, last_batch="drop", side_features=side)
     num_users, num_items = reader.num_users, reader.num_items
     if config.top_k > num_items:
         raise ValueError(f"--top-k {config.top_k} is more than the {num_items} items of "
@@ -176,10 +183,13 @@ def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
 
     counts = np.bincount(train_rows[:, 1], minlength=num_items)
     log_q = jnp.asarray(np.log(np.maximum(counts, 1) / counts.sum()), jnp.float32)
-    keys = data.MOVIELENS_KEYS
-    ebc = collection(config, keys, (num_users, num_items))
+    keys = reader.keys  # user_id, item_id, then the side features
+    sizes = [num_users, num_items] + [side.sizes[k] for k in keys[2:]]
+    ebc = collection(config, keys, sizes)
     layers = () if config.model == "mf" else (64, 32)
-    model = TwoTower(ebc, [keys[0]], [keys[1]], layers, rngs=nnx.Rngs(config.seed + 1))
+    query = [k for k in keys if k.startswith("user_")]
+    model = TwoTower(ebc, query, [k for k in keys if k not in query], layers,
+                     rngs=nnx.Rngs(config.seed + 1))
 
     def train_batches(position):
         return itertools.islice(passes(config, reader.one_pass, str(path)), position, None)
@@ -197,11 +207,7 @@ def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
         norms = jnp.sum(query ** 2, axis=1) + jnp.sum(candidate ** 2, axis=1)
         return loss + config.weight_decay * masked_mean(norms, batch)
 
-    size = max(num_users, num_items)  # one batch: every user row and every item row
-    index = np.stack([np.arange(size) % num_users,
-                      np.where(np.arange(size) < num_items, np.arange(size), -1)], axis=1)
-    every_row = batch_from_ids(keys, index, np.zeros((size, 0), np.float32),
-                               np.zeros(size, np.float32), size)
+    every_row = reader.every_row()  # one batch: every user row and every item row
 
     def predict(model, batch):  # the towers' vectors of every user row and item row
         query, candidate = model.embed(batch.sparse)
@@ -210,7 +216,8 @@ def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
     popularity = evaluate(np.ones((num_users, 1), np.float32),
                           counts[:, None].astype(np.float32), test_set, config.top_k)
     info = {"task": "retrieval", "num_users": len(user_ids), "num_items": len(item_ids),
-            "table_sizes": [num_users, num_items], "positive_threshold": config.positive_threshold,
+            "table_sizes": sizes, "features": list(keys),
+            "positive_threshold": config.positive_threshold,
             "train_positives": len(train), "val_positives": 0 if val is None else len(val),
             "test_positives": len(test), "val_users": 0 if val_set is None else len(val_set),
             "test_users": len(test_set), "popularity_test": popularity}
