@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import train_testing
 
+from jaxrec import data
 from jaxrec.metrics import ranking_metrics
 from jaxrec.train import TrainConfig, main, train
 from jaxrec.train._retrieval import HeldOut, evaluate, positive_pairs
@@ -203,3 +204,38 @@ def test_side_features_join_the_towers(tmp_path):
         train(config(write_ratings(tmp_path / "u.data"), tmp_path, side_features=True))
     with pytest.raises(ValueError, match="--side-features applies to --task retrieval"):
         TrainConfig(data=f"movielens:{path}", side_features=True)
+
+
+def test_a_click_log_trains_retrieval_from_its_clicks(tmp_path):
+    """clicks:PATH: retrieval is the default task, the clicks are the positives (the
+    impressions without a click are no pairs, their items still candidates), and the
+    ratings task and --positive-threshold are refused."""
+    log = train_testing.write_click_log(tmp_path / "clicks.tsv", 900, users=25, items=30)
+    cfg = TrainConfig(data=f"clicks:{log}", batch_size=32, embedding_dim=4, backend="reference",
+                      steps=8, eval_every=4, out_dir=str(tmp_path / "out"))
+    assert cfg.task == "retrieval" and cfg.model == "mf" and cfg.positive_threshold == 1.0
+    splits = ratings_splits(cfg)
+    clicks = data.load_click_log(log)
+    assert sum(len(p) for p in splits) == len(clicks)  # every impression in one part
+    task = build_task(cfg)
+    clicked = int((clicks.ratings == 1).sum())
+    info = task.info
+    assert info["train_positives"] + info["val_positives"] + info["test_positives"] == clicked
+    assert info["num_items"] == len(np.unique(clicks.items))  # shown items are candidates too
+    record = train(cfg)
+    assert record["status"] == "completed" and set(record["final"]) == {
+        "recall@10", "ndcg@10", "hit_rate@10", "mrr@10"}
+    with pytest.raises(ValueError, match="task 'ratings' does not fit data 'clicks'"):
+        TrainConfig(data=f"clicks:{log}", task="ratings")
+    with pytest.raises(ValueError, match="a click log's positives are its clicks"):
+        TrainConfig(data=f"clicks:{log}", positive_threshold=4)
+
+
+def test_a_bad_click_is_named(tmp_path):
+    path = tmp_path / "clicks.tsv"
+    path.write_text("1\t2\t1\t0\n3\t4\t2\t0\n")
+    with pytest.raises(data.DataFormatError, match=r"clicks.tsv, line 2, field clicked: 2.0 is not 0 or 1"):
+        data.load_click_log(path)
+    path.write_text("1\t2\t1\n")
+    with pytest.raises(data.DataFormatError, match=r"line 1: expected 4 fields \(user, item, clicked, "):
+        data.load_click_log(path)

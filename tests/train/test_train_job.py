@@ -205,7 +205,7 @@ def test_rating_predictions_stay_on_the_star_scale(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--data", "parquet:x"], "data must be 'synthetic', 'criteo:PATH' or 'movielens:PATH'"),
+    (["--data", "parquet:x"], "data must be 'synthetic', 'criteo:PATH', 'movielens:PATH' or 'clicks:PATH'"),
     (["--data", "movielens:x", "--model", "dlrm"], "does not fit data 'movielens'"),
     (["--batch-size", "0"], "batch_size must be an int >= 1, got 0"),
     (["--table-lr", "inf"], "table_learning_rate must be a finite number > 0, got inf"),

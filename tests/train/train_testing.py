@@ -34,3 +34,13 @@ def write_side_features(folder: Path, *, users: int, items: int, seed: int = 5) 
         year = rng.integers(1930, 1999)
         lines.append(f"{i}|Movie {i} ({year})|01-Jan-{year}||http://x/{i}|" + "|".join(map(str, flags)) + "\n")
     (folder / "u.item").write_text("".join(lines), encoding="latin-1")
+
+
+def write_click_log(path: Path, n: int, *, users: int, items: int, seed: int = 7) -> Path:
+    """``n`` impressions (tab-separated, ids from 1): user u clicks item i when (u + i) % 3
+    == 0, else skips it, so the clicks have a pattern to learn; timestamp k."""
+    rng = np.random.default_rng(seed)
+    u, i = rng.integers(1, users + 1, n), rng.integers(1, items + 1, n)
+    clicked = ((u + i) % 3 == 0).astype(int)
+    path.write_text("".join(f"{a}\t{b}\t{c}\t{k}\n" for k, (a, b, c) in enumerate(zip(u, i, clicked))))
+    return path

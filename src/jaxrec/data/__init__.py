@@ -7,6 +7,8 @@
 - ``load_movielens_side_features``, ``MovieLensSideFeatures``: the users' and movies' fields
   (age group, gender, occupation; genres, decade) as categorical ids, for
   ``MovieLensReader(side_features=...)``.
+- ``load_click_log``: a click log of (user, item, clicked, timestamp) lines, implicit
+  feedback for retrieval, in the ``MovieLensRatings`` form (clicks as the ratings).
 - ``random_split``, ``k_fold``, ``leave_last_out``, ``temporal_split``: train / validation /
   test parts of a ratings set (disjoint, covering, deterministic by seed).
 - ``DataFormatError`` (a malformed file, naming the line) and ``DataFileError`` (a file
@@ -18,6 +20,7 @@
 """
 
 from jaxrec.data._batch import Batch, DataFileError, DataFormatError
+from jaxrec.data._click_log import load_click_log
 from jaxrec.data._criteo import (
     CRITEO_DENSE_KEYS,
     CRITEO_KAGGLE_CARDINALITIES,
@@ -69,6 +72,7 @@ __all__ = [
     "dense_log1p",
     "dense_log_plus3",
     "k_fold",
+    "load_click_log",
     "leave_last_out",
     "load_movielens_ratings",
     "load_movielens_side_features",

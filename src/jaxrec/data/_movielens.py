@@ -95,18 +95,27 @@ def load_movielens_ratings(path: str | os.PathLike) -> MovieLensRatings:
     ``DataFormatError`` naming the line and field of a malformed line or value, or the file
     when it holds no ratings.
     """
-    path = check_data_file(path, "MovieLens ratings file", _HINT)
+    path, ratings, numbers = load_interaction_lines(path, "MovieLens ratings file", "rating", _HINT)
+    _check_values(ratings, path, numbers)
+    return ratings
+
+
+def load_interaction_lines(path: str | os.PathLike, what: str, value: str,
+                           hint: str) -> tuple[Path, MovieLensRatings, list[int]]:
+    """``(path, rows, line numbers)`` of a file of ``user, item, <value>, timestamp`` lines
+    in one of the MovieLens layouts (module doc), unchecked but for the format; ``what``
+    names the file and ``value`` the third field in errors."""
+    path = check_data_file(path, what, hint)
     lines = path.read_bytes().splitlines()
     first = next((i for i, line in enumerate(lines) if line.strip()), None)
     if first is None:
-        raise DataFormatError(f"{path} holds no ratings (it is empty); {_HINT}")
+        raise DataFormatError(f"{path} holds no {value}s (it is empty); {hint}")
     sep = next((s for s in _FORMATS if s in lines[first]), None)
     if sep is None:
         raise DataFormatError(
-            f"{path}, line {first + 1}: not a MovieLens ratings line "
-            f"({lines[first][:60]!r}); expected 'user\\titem\\trating\\ttimestamp' (ML-100K), "
-            "'user::item::rating::timestamp' (ratings.dat) or 'userId,movieId,rating,"
-            "timestamp' (ratings.csv)."
+            f"{path}, line {first + 1}: not a {what.removesuffix(' file')} line "
+            f"({lines[first][:60]!r}); expected 'user\\titem\\t{value}\\ttimestamp', "
+            f"'user::item::{value}::timestamp' or 'user,item,{value},timestamp'."
         )
     start = first
     if sep == b"," and not lines[first].split(b",")[0].strip().isdigit():
@@ -114,14 +123,13 @@ def load_movielens_ratings(path: str | os.PathLike) -> MovieLensRatings:
     numbers = [start + 1 + i for i, line in enumerate(lines[start:]) if line.strip()]
     body = [lines[n - 1] for n in numbers]
     if not body:
-        raise DataFormatError(f"{path} holds no ratings (only a header); {_HINT}")
+        raise DataFormatError(f"{path} holds no {value}s (only a header); {hint}")
     try:
-        ratings = _parse_fast(body, sep)
+        rows = _parse_fast(body, sep)
     except (ValueError, OverflowError):
-        _raise_first_error(body, sep, path, numbers)
+        _raise_first_error(body, sep, path, numbers, value)
         raise  # pragma: no cover - _raise_first_error always raises here
-    _check_values(ratings, path, numbers)
-    return ratings
+    return path, rows, numbers
 
 
 def _parse_fast(lines: list[bytes], sep: bytes) -> MovieLensRatings:
@@ -138,36 +146,37 @@ def _parse_fast(lines: list[bytes], sep: bytes) -> MovieLensRatings:
     )
 
 
-_NAMES = ("user", "item", "rating", "timestamp")
 _INT64 = np.iinfo(np.int64)
 
 
-def _raise_first_error(lines: list[bytes], sep: bytes, path: Path, numbers: list[int]) -> None:
+def _raise_first_error(lines: list[bytes], sep: bytes, path: Path, numbers: list[int],
+                       value_name: str) -> None:
     """Finds the first malformed line (the slow way) and raises a precise error."""
+    names = ("user", "item", value_name, "timestamp")
     for number, line in zip(numbers, lines):
         where = f"{path}, line {number}"
         fields = line.split(sep)
         if len(fields) != 4:
             raise DataFormatError(
-                f"{where}: expected 4 fields (user, item, rating, timestamp) separated by "
+                f"{where}: expected 4 fields ({', '.join(names)}) separated by "
                 f"{sep.decode()!r} ({_FORMATS[sep]}), found {len(fields)}: "
                 f"{line[:80].decode('utf-8', 'replace')!r}; fix or remove this line."
             )
-        for name, field in zip(_NAMES, fields):
+        for name, field in zip(names, fields):
             text = field.decode("utf-8", "replace")
             try:
-                value = float(field) if name == "rating" else int(field)
+                value = float(field) if name == value_name else int(field)
             except ValueError:
-                kind = "a number" if name == "rating" else "an integer"
+                kind = "a number" if name == value_name else "an integer"
                 raise DataFormatError(
                     f"{where}, field {name}: {text!r} is not {kind}; fix or remove this line."
                 ) from None
-            if name != "rating" and not _INT64.min <= value <= _INT64.max:
+            if name != value_name and not _INT64.min <= value <= _INT64.max:
                 raise DataFormatError(
                     f"{where}, field {name}: {text!r} is out of range (at most 2**63 - 1); "
                     "fix or remove this line."
                 )
-    raise DataFormatError(f"{path}: could not parse the ratings; check the file format.")
+    raise DataFormatError(f"{path}: could not parse the {value_name}s; check the file format.")
 
 
 def _check_values(ratings: MovieLensRatings, path: Path, numbers: list[int]) -> None:

@@ -29,11 +29,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--task", choices=TASKS,
                    help="ctr (click data), ratings (movielens: rating prediction, the default) "
                         "or retrieval (movielens: top-K items per user from ratings >= "
-                        "--positive-threshold)")
-    p.add_argument("--model", choices=MODELS, help="default: dlrm (click data), mf (movielens)")
+                        "--positive-threshold; clicks: from the clicks, the default there)")
+    p.add_argument("--model", choices=MODELS,
+                   help="default: dlrm (click data), mf (movielens, clicks)")
     p.add_argument("--data", default=d.data,
                    help="synthetic | criteo:PATH (TSV file or folder) | movielens:PATH (ratings "
-                        "file or ml-100k folder) (default: %(default)s)")
+                        "file or ml-100k folder) | clicks:PATH (user, item, clicked 0/1, timestamp "
+                        "lines: retrieval from the clicks) (default: %(default)s)")
     p.add_argument("--table-optimizer", choices=list(TABLE_OPTIMIZERS), default=d.table_optimizer,
                    help="fused optimizer of the tables, or plain (optax) (default: %(default)s)")
     p.add_argument("--table-lr", type=float, dest="table_learning_rate",

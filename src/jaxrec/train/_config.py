@@ -44,6 +44,8 @@ RESUME_APPLIED = ("table_learning_rate", "dense_learning_rate", "weight_decay", 
 RATINGS_WEIGHT_DECAY = 0.1  # measured: benchmarks/movielens_defaults.py, docs/nn.md
 RATINGS_VAL_FRACTION = 0.1  # of the training ratings
 PATIENCE = 10  # measured: benchmarks/movielens_defaults.py, docs/nn.md
+DATA_KINDS = ("synthetic", "criteo", "movielens", "clicks")
+USER_ITEM_KINDS = ("movielens", "clicks")  # data with user and item ids
 POSITIVE_THRESHOLD = 4.0  # stars: 4 and 5 are positives, as in most MovieLens retrieval papers
 TEMPERATURE = 1.0  # measured: benchmarks/movielens_retrieval.py, docs/nn.md
 TOP_K = 10
@@ -136,25 +138,27 @@ class TrainConfig:
 
     def __post_init__(self):
         kind = self.data.split(":", 1)[0]
-        if kind not in ("synthetic", "criteo", "movielens") or (kind != "synthetic") != (":" in self.data):
-            raise ValueError(f"data must be 'synthetic', 'criteo:PATH' or 'movielens:PATH', got "
-                             f"{self.data!r}")
-        task = self.task or ("ratings" if kind == "movielens" else "ctr")
+        if kind not in DATA_KINDS or (kind != "synthetic") != (":" in self.data):
+            raise ValueError(f"data must be 'synthetic', 'criteo:PATH', 'movielens:PATH' or "
+                             f"'clicks:PATH', got {self.data!r}")
+        user_item = kind in USER_ITEM_KINDS
+        task = self.task or {"movielens": "ratings", "clicks": "retrieval"}.get(kind, "ctr")
         if task not in TASKS:
             raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
-        if (kind == "movielens") == (task == "ctr"):
-            fit = "ratings or retrieval" if kind == "movielens" else "ctr"
-            raise ValueError(f"task {task!r} does not fit data {kind!r} (its labels are "
-                             f"{'ratings' if kind == 'movielens' else 'clicks, without user and item ids'}"
-                             f"); pass --task {fit}, or drop --task")
+        fits = {"movielens": ("ratings", "retrieval"), "clicks": ("retrieval",)}.get(kind, ("ctr",))
+        if task not in fits:
+            labels = {"movielens": "ratings", "clicks": "clicks of users on items"}.get(
+                kind, "clicks, without user and item ids")
+            raise ValueError(f"task {task!r} does not fit data {kind!r} (its labels are {labels}); "
+                             f"pass --task {' or '.join(fits)}, or drop --task")
         object.__setattr__(self, "task", task)
-        model = self.model or ("mf" if kind == "movielens" else "dlrm")
+        model = self.model or ("mf" if user_item else "dlrm")
         if model not in MODELS:
             raise ValueError(f"model must be one of {MODELS}, got {self.model!r}")
-        if (kind == "movielens") != (model in RATING_MODELS):
-            fit = RATING_MODELS if kind == "movielens" else CTR_MODELS
+        if user_item != (model in RATING_MODELS):
+            fit = RATING_MODELS if user_item else CTR_MODELS
             raise ValueError(f"model {model!r} does not fit data {kind!r} (labels are "
-                             f"{'ratings' if kind == 'movielens' else 'clicks'}); use one of {fit}")
+                             f"{'of users on items' if user_item else 'clicks'}); use one of {fit}")
         object.__setattr__(self, "model", model)
         if self.table_optimizer not in TABLE_OPTIMIZERS:
             raise ValueError(f"table_optimizer must be one of {list(TABLE_OPTIMIZERS)}, got "
@@ -182,20 +186,20 @@ class TrainConfig:
         for name in ("table_learning_rate", "dense_learning_rate"):
             if not 0 < getattr(self, name) < float("inf"):
                 raise ValueError(f"{name} must be a finite number > 0, got {getattr(self, name)}")
-        if self.weight_decay is not None and kind != "movielens":
+        if self.weight_decay is not None and not user_item:
             raise ValueError(f"weight_decay applies to ratings (movielens data); the click "
                              f"models train without it, so {self.weight_decay} would do nothing. "
                              "Drop --weight-decay")
-        if self.weight_decay is None and kind == "movielens":
+        if self.weight_decay is None and user_item:
             object.__setattr__(self, "weight_decay",
                                RATINGS_WEIGHT_DECAY if task == "ratings" else RETRIEVAL_WEIGHT_DECAY)
         if self.weight_decay is not None and not 0 <= self.weight_decay < float("inf"):
             raise ValueError(f"weight_decay must be a finite number >= 0, got {self.weight_decay}")
-        if self.val_fraction is not None and kind != "movielens":
+        if self.val_fraction is not None and not user_item:
             raise ValueError(f"val_fraction applies to ratings (movielens data); click data holds "
                              f"out --eval-batches batches for validation instead, so "
                              f"{self.val_fraction} would do nothing. Drop --val-fraction")
-        if self.val_fraction is None and kind == "movielens":
+        if self.val_fraction is None and user_item:
             object.__setattr__(self, "val_fraction", RATINGS_VAL_FRACTION)
         if self.val_fraction is not None and not (
                 isinstance(self.val_fraction, (int, float)) and 0 <= self.val_fraction < 1):
@@ -228,6 +232,11 @@ class TrainConfig:
                                  "pass --task retrieval")
             return
         threshold = self.positive_threshold
+        if self.data_kind == "clicks":
+            if threshold is not None:
+                raise ValueError("--positive-threshold applies to ratings; a click log's positives "
+                                 "are its clicks (clicked = 1): drop --positive-threshold")
+            threshold = 1.0
         if threshold is None:
             threshold = POSITIVE_THRESHOLD
         low, high = MOVIELENS_RATING_RANGE
@@ -277,7 +286,7 @@ class TrainConfig:
     @property
     def has_validation(self) -> bool:
         """Whether evaluations during training read a validation set (else the test set)."""
-        return self.data_kind != "movielens" or self.val_fraction != 0
+        return self.data_kind not in USER_ITEM_KINDS or self.val_fraction != 0
 
     @property
     def data_kind(self) -> str:

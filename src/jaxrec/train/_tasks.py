@@ -164,8 +164,9 @@ def _held_out_criteo(reader: data.CriteoReader,
 
 def ratings_splits(config: TrainConfig) -> tuple[data.MovieLensRatings, data.MovieLensRatings
                                                   | None, data.MovieLensRatings]:
-    """``(train, validation, test)`` of a ``movielens:PATH`` run, disjoint, together every
-    rating once; validation is None when ``val_fraction`` is 0.
+    """``(train, validation, test)`` of a ``movielens:PATH`` or ``clicks:PATH`` run (a click
+    log's clicks in place of the ratings), disjoint, together every line once; validation is
+    None when ``val_fraction`` is 0.
 
     The test split does not depend on ``val_fraction``: ML-100K's ``u1.test``, or, for a
     ratings file, a permutation by ``seed`` whose last 10% are the test split. Validation is
@@ -173,11 +174,12 @@ def ratings_splits(config: TrainConfig) -> tuple[data.MovieLensRatings, data.Mov
     permutation by ``seed``; every part keeps file order.
     """
     path = Path(config.data_path)
-    if path.is_dir():
+    load = data.load_click_log if config.data_kind == "clicks" else data.load_movielens_ratings
+    if path.is_dir() and config.data_kind == "movielens":
         train_path, test_path = data.movielens_100k_split(path, "u1")
         train, test = data.load_movielens_ratings(train_path), data.load_movielens_ratings(test_path)
     else:
-        ratings = data.load_movielens_ratings(path)
+        ratings = load(path)
         if len(ratings) < 10:
             raise ValueError(f"{path} holds {len(ratings)} ratings; a run needs at least 10 "
                              "(90% train, 10% test)")
