@@ -1,0 +1,28 @@
+"""Serving: a trained model's tables quantized to row-wise int8 / int4 (FBGEMM's
+inference layout), with the same interface.
+
+- ``quantize(model, {"t_big": "int4", "*": "int8"})`` -> ``(served, QuantizationReport)``.
+- ``QuantizedEmbeddingBagCollection``: the pooled lookup over quantized rows (jnp).
+- ``quantize_rows`` / ``dequantize_rows`` / ``quantization_error_bound``: the row format.
+
+See docs/serving.md.
+"""
+
+from jaxrec.serving._collection import (
+    PRECISIONS,
+    QuantizationReport,
+    QuantizedEmbeddingBagCollection,
+    quantize,
+)
+from jaxrec.serving._quantize import dequantize_rows, quantization_error_bound, quantize_rows, row_bytes
+
+__all__ = [
+    "PRECISIONS",
+    "QuantizationReport",
+    "QuantizedEmbeddingBagCollection",
+    "dequantize_rows",
+    "quantization_error_bound",
+    "quantize",
+    "quantize_rows",
+    "row_bytes",
+]
