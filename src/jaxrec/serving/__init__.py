@@ -4,6 +4,8 @@ inference layout), with the same interface.
 - ``quantize(model, {"t_big": "int4", "*": "int8"})`` -> ``(served, QuantizationReport)``.
 - ``QuantizedEmbeddingBagCollection``: the pooled lookup over quantized rows (jnp).
 - ``quantize_rows`` / ``dequantize_rows`` / ``quantization_error_bound``: the row format.
+- ``export(model, path, ...)`` / ``load(path)``: ``jax.export`` artifacts and weights in a
+  folder, loaded in a fresh process as ``predict(dense, kjt)``.
 
 See docs/serving.md.
 """
@@ -14,13 +16,17 @@ from jaxrec.serving._collection import (
     QuantizedEmbeddingBagCollection,
     quantize,
 )
+from jaxrec.serving._export import Served, export, load
 from jaxrec.serving._quantize import dequantize_rows, quantization_error_bound, quantize_rows, row_bytes
 
 __all__ = [
     "PRECISIONS",
     "QuantizationReport",
     "QuantizedEmbeddingBagCollection",
+    "Served",
     "dequantize_rows",
+    "export",
+    "load",
     "quantization_error_bound",
     "quantize",
     "quantize_rows",
