@@ -65,9 +65,9 @@ def load_movielens_side_features(directory: str | os.PathLike) -> MovieLensSideF
     ``u.item``, or ML-1M's ``users.dat`` and ``movies.dat``; see the module doc)."""
     d = Path(directory)
     if (d / "u.user").is_file() and (d / "u.item").is_file():
-        users, items = _read_100k_users(d / "u.user"), _read_100k_items(d / "u.item")
+        users, items = _read_users(d / "u.user", "|", 1, 2, 3), _read_100k_items(d / "u.item")
     elif (d / "users.dat").is_file() and (d / "movies.dat").is_file():
-        users, items = _read_1m_users(d / "users.dat"), _read_1m_items(d / "movies.dat")
+        users, items = _read_users(d / "users.dat", "::", 2, 1, 3), _read_1m_items(d / "movies.dat")
     else:
         raise FileNotFoundError(
             f"no MovieLens side features in {d}: it needs u.user and u.item (ML-100K) or "
@@ -130,11 +130,13 @@ def _sorted(path: Path, ids: list[int], *columns: list) -> tuple:
     return (ids, *([c[i] for i in order] for c in columns))
 
 
-def _read_100k_users(path: Path):
-    rows = _lines(path, "|", 5)
+def _read_users(path: Path, sep: str, age: int, gender: int, occupation: int):
+    """A users file of 5 fields: id first, then age, gender and occupation at these fields."""
+    rows = _lines(path, sep, 5)
     ids = [_int(path, n, "user", p[0]) for n, p in rows]
-    ages = [_int(path, n, "age", p[1]) for n, p in rows]
-    return _sorted(path, ids, ages, [p[2].strip() for _, p in rows], [p[3].strip() for _, p in rows])
+    ages = [_int(path, n, "age", p[age]) for n, p in rows]
+    return _sorted(path, ids, ages, [p[gender].strip() for _, p in rows],
+                   [p[occupation].strip() for _, p in rows])
 
 
 def _read_100k_items(path: Path):
@@ -143,13 +145,6 @@ def _read_100k_items(path: Path):
     genres = [[g for g, flag in zip(_ML100K_GENRES, p[5:]) if flag.strip() == "1"] for _, p in rows]
     years = [_year(p[2][-4:] if p[2].strip() else "", p[1]) for _, p in rows]
     return _sorted(path, ids, genres, years)
-
-
-def _read_1m_users(path: Path):
-    rows = _lines(path, "::", 5)
-    ids = [_int(path, n, "user", p[0]) for n, p in rows]
-    ages = [_int(path, n, "age", p[2]) for n, p in rows]
-    return _sorted(path, ids, ages, [p[1].strip() for _, p in rows], [p[3].strip() for _, p in rows])
 
 
 def _read_1m_items(path: Path):
