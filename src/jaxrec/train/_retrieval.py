@@ -4,10 +4,10 @@ evaluated by exact top-K retrieval over every item.
 Data. A rating of at least ``positive_threshold`` stars is a positive (user, item) pair;
 the other ratings are dropped. A click log (``clicks:PATH``, ``jaxrec.data.load_click_log``)
 is read the same way with the clicks as ratings and a threshold of 1: the clicks are the
-positives, and an item only shown is still a candidate. The train / validation / test parts are those of the
-ratings task (``ratings_splits``), positives only, so they are disjoint. Ids are the
-table rows of the ratings task (every user and item of the file, positive or not), so
-every item of the file is a candidate.
+positives, and an item only shown is still a candidate. The train / validation / test
+parts are those of the ratings task (``ratings_splits``), positives only, so they are
+disjoint. Ids are the table rows of the ratings task (every user and item of the file,
+positive or not), so every item of the file is a candidate.
 
 Features. ``user_id`` and ``item_id``; with ``side_features`` also the users' and movies'
 fields (``jaxrec.data.load_movielens_side_features``), each its own table: the query
