@@ -100,9 +100,9 @@ def test_a_trained_dlrm_served_quantized_keeps_its_auc():
         return optax.sigmoid_binary_cross_entropy(model(batch.dense, batch.sparse)[:, 0], batch.labels).mean()
 
     step = make_train_step(loss_fn)
-    for batch in log.batches(256, 150):
+    for batch in log.batches(256, 100):
         step(model, optimizer, batch)
-    held_out = next(log.batches(8192, 1, start=10**6))
+    held_out = next(log.batches(4096, 1, start=10**6))
 
     def auc(m):
         scores = jax.jit(lambda m, b: m(b.dense, b.sparse)[:, 0])(m, held_out)
