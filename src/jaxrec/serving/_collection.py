@@ -65,12 +65,12 @@ class QuantizedEmbeddingBagCollection(nnx.Module):
         self.feature_names = tuple(f for t in self.configs for f in t.feature_names)
         weights = ebc.split_embedding_weights()
         self.precisions = {t.name: precisions[t.name] for t in self.configs}
-        self.tables = {}
+        tables = {}
         for t in self.configs:
             w = np.asarray(weights[t.name], np.float32)
             rows = w if self.precisions[t.name] == "fp32" else quantize_rows(w, self.precisions[t.name])
-            self.tables[t.name] = QuantizedTable(jnp.asarray(rows))
-        self.tables = nnx.data(self.tables)
+            tables[t.name] = QuantizedTable(jnp.asarray(rows))
+        self.tables = nnx.data(tables)
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if features.inverse_indices_or_none() is not None:
