@@ -239,3 +239,11 @@ def test_a_bad_click_is_named(tmp_path):
     path.write_text("1\t2\t1\n")
     with pytest.raises(data.DataFormatError, match=r"line 1: expected 4 fields \(user, item, clicked, "):
         data.load_click_log(path)
+
+
+def test_too_few_clicks_say_so_without_a_threshold_to_lower(tmp_path):
+    log = train_testing.write_click_log(tmp_path / "clicks.tsv", 60, users=25, items=30)
+    with pytest.raises(ValueError, match=r"training clicks, fewer than one batch \(--batch-size 512\): "
+                                         r"pass a smaller --batch-size or more clicks"):
+        train(TrainConfig(data=f"clicks:{log}", batch_size=512, backend="reference", steps=2,
+                          out_dir=str(tmp_path / "out")))

@@ -153,11 +153,17 @@ def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
     user_ids, item_ids = data.movielens_ids(*[p for p in splits if p is not None])
     train, val, test = (None if p is None else positive_pairs(p, config.positive_threshold)
                         for p in splits)
+    # What the positives are, and how to get more (a click log has no threshold to lower).
+    if config.data_kind == "clicks":
+        positives, lower, more = "clicks", "more clicks", "more data"
+    else:
+        positives = (f"ratings of at least --positive-threshold {config.positive_threshold:g} "
+                     "stars")
+        lower, more = "a lower --positive-threshold", "a lower --positive-threshold, or more data"
     if len(train) < config.batch_size:
         raise ValueError(
-            f"{path}: {len(train)} training ratings of at least --positive-threshold "
-            f"{config.positive_threshold:g} stars, fewer than one batch (--batch-size "
-            f"{config.batch_size}): pass a smaller --batch-size or a lower --positive-threshold")
+            f"{path}: {len(train)} training {positives}, fewer than one batch (--batch-size "
+            f"{config.batch_size}): pass a smaller --batch-size or {lower}")
     side = None
     if config.side_features:
         side = data.load_movielens_side_features(path if path.is_dir() else path.parent)
@@ -179,9 +185,8 @@ def retrieval_task(config: TrainConfig, splits) -> RetrievalTask:
     test_set = HeldOut.build(test_rows, excluded, num_items)
     for name, held in (("validation", val_set), ("test", test_set)):
         if held is not None and len(held) == 0:
-            raise ValueError(f"{path}: the {name} set has no rating of at least "
-                             f"--positive-threshold {config.positive_threshold:g} stars left "
-                             "to retrieve: pass a lower --positive-threshold, or more data")
+            raise ValueError(f"{path}: the {name} set has no {positives} left to retrieve: "
+                             f"pass {more}")
 
     counts = np.bincount(train_rows[:, 1], minlength=num_items)
     log_q = jnp.asarray(np.log(np.maximum(counts, 1) / counts.sum()), jnp.float32)
