@@ -50,7 +50,7 @@ from jaxrec.data._batch import (
     check_last_batch,
     rebatch,
 )
-from jaxrec.data._movielens_side import MovieLensSideFeatures
+from jaxrec.data._movielens_side import MOVIELENS_USER_FEATURES, MovieLensSideFeatures
 
 MOVIELENS_KEYS = ("user_id", "item_id")
 MOVIELENS_100K_SPLITS = ("u1", "u2", "u3", "u4", "u5", "ua", "ub")
@@ -306,7 +306,7 @@ class MovieLensReader:
         side = self.side_features
         parts = []
         for name, column in side.columns.items():
-            ids, raw = (side.user_ids, users) if name.startswith("user_") else (side.item_ids, items)
+            ids, raw = (side.user_ids, users) if name in MOVIELENS_USER_FEATURES else (side.item_ids, items)
             pos = np.minimum(np.searchsorted(ids, raw), ids.size - 1)
             found = ids[pos] == raw
             parts.append(np.where(found[:, None], column[pos], -1))
@@ -324,7 +324,7 @@ class MovieLensReader:
         if self.side_features is not None:
             side = self._side_ids(self.user_ids[rows % self.num_users],
                                   self.item_ids[rows % self.num_items])
-            item_columns = ~np.array([k.startswith("user_") for k in self._column_keys[2:]])
+            item_columns = ~np.isin(self._column_keys[2:], MOVIELENS_USER_FEATURES)
             side[np.ix_(rows >= self.num_items, item_columns)] = -1  # no item in these rows
             ids = np.concatenate([ids, side], axis=1)
         return batch_from_ids(self._column_keys, ids, np.zeros((size, 0), np.float32),

@@ -95,7 +95,7 @@ def load_movielens_side_features(directory: str | os.PathLike) -> MovieLensSideF
     return MovieLensSideFeatures(user_ids, item_ids, columns, sizes, vocabularies)
 
 
-def _lines(path: Path, sep: str, fields: int, at_least: bool = False) -> list[tuple[int, list[str]]]:
+def _lines(path: Path, sep: str, fields: int) -> list[tuple[int, list[str]]]:
     """(line number, fields) of each non-blank line; a line with the wrong field count is a
     ``DataFormatError`` naming it. MovieLens files are latin-1."""
     out = []
@@ -103,7 +103,7 @@ def _lines(path: Path, sep: str, fields: int, at_least: bool = False) -> list[tu
         if not line.strip():
             continue
         parts = line.split(sep)
-        if len(parts) < fields if at_least else len(parts) != fields:
+        if len(parts) != fields:
             raise DataFormatError(f"{path}, line {number}: expected {fields} fields separated by "
                                   f"{sep!r}, found {len(parts)}: {line[:80]!r}")
         out.append((number, parts))
