@@ -30,6 +30,7 @@ from flax import nnx
 
 from jaxrec.nn import EmbeddingBagCollection
 from jaxrec.ops import PoolingMode
+from jaxrec.ops.tbe_reference import bag_of_position, position_scale
 from jaxrec.serving._quantize import BITS, dequantize_rows, quantize_rows
 from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -89,20 +90,14 @@ class QuantizedEmbeddingBagCollection(nnx.Module):
 def _pooled(bags, table, precision: str, rows: int, pooling: PoolingMode, batch: int) -> jax.Array:
     """``[batch, dim]`` float32: each bag's rows dequantized and pooled."""
     ids, offsets = bags.values(), bags.offsets()
-    weights = bags.weights_or_none()
-    position = jnp.arange(ids.shape[0])
-    valid = position < offsets[-1]  # the KJT's static capacity pads the values
-    bag = jnp.where(valid, jnp.searchsorted(offsets, position, side="right") - 1, batch)
-    ids = jnp.where(valid & (ids >= 0) & (ids < rows), ids, 0)
+    bag = bag_of_position(offsets, ids.shape[0])  # the KJT's static capacity pads the values
+    scale = position_scale(offsets, bags.weights_or_none(), bag, pooling)  # 0 outside bags
+    ids = jnp.where((ids >= 0) & (ids < rows), ids, 0)
     gathered = jnp.take(table, ids, axis=0)
     vectors = gathered if precision == "fp32" else dequantize_rows(gathered, precision)
-    if weights is not None:
-        vectors = vectors * weights.astype(jnp.float32)[:, None]
-    pooled = jax.ops.segment_sum(_no_gradient(vectors), bag, num_segments=batch + 1)[:batch]
-    if pooling == PoolingMode.MEAN:
-        lengths = jnp.diff(offsets).astype(jnp.float32)
-        pooled = pooled / jnp.maximum(lengths, 1.0)[:, None]
-    return pooled
+    segment = jnp.where((bag >= 0) & (bag < batch), bag, batch)
+    pooled = jax.ops.segment_sum(_no_gradient(vectors * scale[:, None]), segment, num_segments=batch + 1)
+    return pooled[:batch]
 
 
 @jax.custom_vjp
