@@ -65,6 +65,8 @@ def test_bad_calls_and_bad_folders_are_named(exported, tmp_path):
     _, path = exported
     batch = next(LOG.batches(4, 1))
     predict = serving.load(path)
+    with pytest.raises(ValueError, match=r"dense must be \[B, 13\] float32 with B the KJT's 4 samples"):
+        predict(np.asarray(batch.dense)[:3], batch.sparse)
     reordered = batch.sparse.permute([1, 0, *range(2, len(LOG.keys))])
     with pytest.raises(ValueError, match="are not the served model's"):
         predict(batch.dense, reordered)

@@ -100,36 +100,41 @@ class Served:
             raise ValueError(f"the KJT's keys {sparse.keys()} are not the served model's {list(self.keys)} "
                              "(in this order)")
         dense = np.asarray(dense, np.float32)
+        if dense.ndim != 2 or dense.shape[1] != self.manifest["num_dense"] or sparse.stride() != dense.shape[0]:
+            raise ValueError(f"dense must be [B, {self.manifest['num_dense']}] float32 with B the KJT's "
+                             f"{sparse.stride()} samples, got shape {dense.shape}")
         batch = dense.shape[0]
         lengths = np.asarray(sparse.lengths()).reshape(len(self.keys), batch)
         values = np.asarray(sparse.values())
         weights = sparse.weights_or_none()
         weights = np.ones(values.shape, np.float32) if weights is None else np.asarray(weights, np.float32)
+        # Per key, where each sample's ids start (values are key-major), for cutting pieces.
+        starts = np.concatenate([np.zeros((len(self.keys), 1), np.int64), np.cumsum(lengths, axis=1)], axis=1)
+        key_start = np.concatenate([[0], np.cumsum(starts[:, -1])])[:-1]
         largest = max(self._buckets)
         parts = []
         for start in range(0, batch, largest):
             stop = min(start + largest, batch)
-            parts.append(self._bucket_call(dense[start:stop], lengths, values, weights, start, stop))
+            take = np.concatenate([key_start[k] + np.arange(starts[k, start], starts[k, stop])
+                                   for k in range(len(self.keys))]).astype(np.int64)
+            parts.append(self._bucket_call(dense[start:stop], lengths[:, start:stop], values[take],
+                                           weights[take]))
         return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
 
-    def _bucket_call(self, dense, lengths, values, weights, start, stop):
-        b = stop - start
+    def _bucket_call(self, dense, lengths, values, weights):
+        """One piece of at most the largest bucket's samples, padded to its bucket."""
+        b = dense.shape[0]
         size = min(s for s in self._buckets if s >= b)
         exported, capacity = self._buckets[size]
-        keys = len(self.keys)
-        cum = np.concatenate([np.zeros((keys, 1), np.int64), np.cumsum(lengths, axis=1)], axis=1)
-        key_start = np.concatenate([[0], np.cumsum(cum[:, -1])])[:-1]  # values are key-major
-        take = np.concatenate([key_start[k] + np.arange(cum[k, start], cum[k, stop])
-                               for k in range(keys)]).astype(np.int64)
-        if take.size > capacity:
-            raise ValueError(f"{take.size} ids for {b} samples; the {size}-sample bucket of {self.path} "
+        if values.size > capacity:
+            raise ValueError(f"{values.size} ids for {b} samples; the {size}-sample bucket of {self.path} "
                              f"takes at most {capacity}: export with a larger ids_per_sample")
         pad_lengths = np.zeros((len(self.keys), size), np.int32)
-        pad_lengths[:, :b] = lengths[:, start:stop]
+        pad_lengths[:, :b] = lengths
         pad_values = np.zeros(capacity, np.int32)
-        pad_values[:take.size] = values[take]
+        pad_values[:values.size] = values
         pad_weights = np.zeros(capacity, np.float32)
-        pad_weights[:take.size] = weights[take]
+        pad_weights[:values.size] = weights
         pad_dense = np.zeros((size, dense.shape[1]), np.float32)
         pad_dense[:b] = dense
         out = exported.call(self._arrays, pad_dense, pad_values, pad_lengths.reshape(-1), pad_weights)
