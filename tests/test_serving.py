@@ -38,6 +38,8 @@ def test_odd_dims_and_bad_values_are_refused():
         serving.quantize_rows(np.zeros((3, 5), np.float32), "int4")
     with pytest.raises(ValueError, match="NaN or Inf"):
         serving.quantize_rows(np.full((2, 4), np.nan, np.float32), "int8")
+    with pytest.raises(ValueError, match="keep such a table in fp32"):  # float16 scale would overflow
+        serving.quantize_rows(np.array([[-4e4, 4e4]], np.float32), "int8")
     with pytest.raises(ValueError, match="precision must be one of"):
         serving.quantize_rows(np.zeros((2, 4), np.float32), "int2")
 

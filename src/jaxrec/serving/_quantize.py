@@ -41,6 +41,10 @@ def quantize_rows(weights, precision: str) -> np.ndarray:
                          + ("" if np.isfinite(w).all() else " with NaN or Inf values"))
     row_bytes(w.shape[1], precision)  # checks the packing
     low, high = w.min(axis=1), w.max(axis=1)
+    limit = float(np.finfo(np.float16).max)
+    if np.abs(w).max(initial=0.0) > limit / 2:  # bias and scale are float16: they would overflow
+        raise ValueError(f"weights reach {np.abs(w).max():g}; a row's float16 scale and bias hold "
+                         f"values up to {limit / 2:g} in magnitude: keep such a table in fp32")
     bias = low.astype(np.float16)
     scale = ((high - bias.astype(np.float32)) / (2 ** bits - 1)).astype(np.float16)
     s32, b32 = scale.astype(np.float32)[:, None], bias.astype(np.float32)[:, None]
