@@ -49,7 +49,11 @@ batch = next(SyntheticClickLog(max_rows=500, seed=0).batches(64, 1, start=500))
 np.save("{tmp_path / 'out.npy'}", np.asarray(load("{path}")(batch.dense, batch.sparse)))
 """
     subprocess.run([sys.executable, "-c", script], check=True)
-    np.testing.assert_array_equal(np.load(tmp_path / "out.npy"), in_memory(served, batch))
+    got, expected = np.load(tmp_path / "out.npy"), in_memory(served, batch)
+    if jax.default_backend() == "cpu":  # the same program on the same CPU: the same bits
+        np.testing.assert_array_equal(got, expected)
+    else:  # XLA's GPU scatter-add in the pooling sums in no fixed order (docs/serving.md)
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_other_batch_sizes_go_through_the_buckets(exported):
