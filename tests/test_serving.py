@@ -20,11 +20,11 @@ from jaxrec.sparse import KeyedJaggedTensor
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_rows_come_back_within_the_bound(precision):
     rng = np.random.default_rng(0)
-    w = rng.normal(0, 0.3, (57, 12)).astype(np.float32) * rng.uniform(0.01, 3, (57, 1)).astype(np.float32)
+    w = rng.normal(0, 0.3, (57, 16)).astype(np.float32) * rng.uniform(0.01, 3, (57, 1)).astype(np.float32)
     w[5] = 0.25  # a constant row: scale 0, back exactly
     rows = serving.quantize_rows(w, precision)
-    assert rows.dtype == np.uint8 and rows.shape == (57, serving.row_bytes(12, precision))
-    assert rows.shape[1] == 4 + (12 if precision == "int8" else 6)
+    assert rows.dtype == np.uint8 and rows.shape == (57, serving.row_bytes(16, precision))
+    assert rows.shape[1] == 4 + (16 if precision == "int8" else 8)
     back = np.asarray(serving.dequantize_rows(rows, precision))
     error = np.abs(back - w).max(axis=1)
     assert (error <= serving.quantization_error_bound(w, precision)).all()
@@ -34,19 +34,19 @@ def test_rows_come_back_within_the_bound(precision):
 
 
 def test_odd_dims_and_bad_values_are_refused():
-    with pytest.raises(ValueError, match="embedding_dim 5 must be a multiple of 2"):
-        serving.quantize_rows(np.zeros((3, 5), np.float32), "int4")
+    with pytest.raises(ValueError, match="embedding_dim 12 must be a positive multiple of 8"):
+        serving.quantize_rows(np.zeros((3, 12), np.float32), "int4")
     with pytest.raises(ValueError, match="NaN or Inf"):
         serving.quantize_rows(np.full((2, 4), np.nan, np.float32), "int8")
     with pytest.raises(ValueError, match="keep such a table in fp32"):  # float16 scale would overflow
-        serving.quantize_rows(np.array([[-4e4, 4e4]], np.float32), "int8")
+        serving.quantize_rows(np.array([[-4e4, 4e4, 0, 1]], np.float32), "int8")
     with pytest.raises(ValueError, match="precision must be one of"):
         serving.quantize_rows(np.zeros((2, 4), np.float32), "int2")
 
 
 def _collection(pooling="SUM"):
     tables = [EmbeddingBagConfig(name="t_a", num_embeddings=40, embedding_dim=8, feature_names=["a"]),
-              EmbeddingBagConfig(name="t_b", num_embeddings=25, embedding_dim=4,
+              EmbeddingBagConfig(name="t_b", num_embeddings=25, embedding_dim=8,
                                  feature_names=["b", "c"], pooling=pooling)]
     return EmbeddingBagCollection(tables, rngs=nnx.Rngs(3))
 

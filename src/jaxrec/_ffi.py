@@ -33,6 +33,7 @@ TARGETS = {
         "jaxrec_tbe_backward": "JaxrecTbeBackwardCpu",
         "jaxrec_tbe_fused_update": "JaxrecTbeFusedUpdateCpu",
         "jaxrec_sort_by_row": "JaxrecSortByRowCpu",
+        "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
@@ -41,6 +42,7 @@ TARGETS = {
         "jaxrec_tbe_fused_update": "JaxrecTbeFusedUpdateCuda",
         "jaxrec_tt_forward": "JaxrecTtForwardCuda",
         "jaxrec_tt_backward": "JaxrecTtBackwardCuda",
+        "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCuda",
     },
 }
 
@@ -133,6 +135,11 @@ def _load(platform: str) -> bool:
                 f"Registering jaxrec's {platform} handler {target} failed: {error}. " + _REBUILD_HINT
             ) from error
     return True
+
+
+def custom_call_targets() -> list[str]:
+    """Every target name of jaxrec's handlers (what ``jax.export`` must be told to allow)."""
+    return sorted({t for targets in TARGETS.values() for t in targets})
 
 
 def has_kernel(platform: str) -> bool:

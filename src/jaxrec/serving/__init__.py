@@ -1,8 +1,9 @@
 """Serving: a trained model's tables quantized to row-wise int8 / int4 (FBGEMM's
-inference layout), with the same interface.
+inference layout) or fp16, with the same interface.
 
 - ``quantize(model, {"t_big": "int4", "*": "int8"})`` -> ``(served, QuantizationReport)``.
-- ``QuantizedEmbeddingBagCollection``: the pooled lookup over quantized rows (jnp).
+- ``QuantizedEmbeddingBagCollection``: the pooled lookup over quantized rows
+  (``jaxrec.ops.quantized_lookup``: CPU and CUDA kernels).
 - ``quantize_rows`` / ``dequantize_rows`` / ``quantization_error_bound``: the row format.
 - ``export(model, path, ...)`` / ``load(path)``: ``jax.export`` artifacts and weights in a
   folder, loaded in a fresh process as ``predict(dense, kjt)``.
@@ -10,6 +11,7 @@ inference layout), with the same interface.
 See docs/serving.md.
 """
 
+from jaxrec.ops.quantized_rows import dequantize_rows, quantization_error_bound, quantize_rows, row_bytes
 from jaxrec.serving._collection import (
     PRECISIONS,
     QuantizationReport,
@@ -17,7 +19,6 @@ from jaxrec.serving._collection import (
     quantize,
 )
 from jaxrec.serving._export import Served, export, load
-from jaxrec.serving._quantize import dequantize_rows, quantization_error_bound, quantize_rows, row_bytes
 
 __all__ = [
     "PRECISIONS",

@@ -1,4 +1,4 @@
-"""``quantize``: a trained model's embedding tables as row-wise int8 / int4 tables.
+"""``quantize``: a trained model's embedding tables as row-wise int8 / int4 (or fp16) tables.
 
 ::
 
@@ -9,13 +9,14 @@
 Every unsharded ``EmbeddingBagCollection`` of the model becomes a
 ``QuantizedEmbeddingBagCollection`` (TorchRec's ``quantize_embeddings`` of a trained
 module): same features, pooling and output ``KeyedTensor``; its tables are read-only
-``uint8`` rows (``jaxrec.serving._quantize``). Precisions per table name, ``"*"`` for the
-rest; ``"fp32"`` keeps a table as it is (as float32 rows).
+rows of ``jaxrec.ops.quantized_rows`` (int8, int4), float16 ("fp16") or float32 ("fp32",
+kept as it is). Precisions per table name, ``"*"`` for the rest.
 
-The lookup gathers each bag's rows, dequantizes only those, and pools them (SUM or MEAN,
-per-sample weights applied), in jnp: the reference for the kernels to come. An id outside
-its table reads row 0 (the collections' WARNING correction). There is no gradient: a
-quantized table is for serving (``jax.grad`` through its lookup raises a ``ValueError``).
+The lookup is ``jaxrec.ops.quantized_lookup``: one launch per pooling mode for all the
+collection's features, every table at its own precision, the rows dequantized as they
+are read. An id outside its table reads row 0 (the collections' WARNING correction).
+There is no gradient: a quantized table is for serving (``jax.grad`` through its lookup
+raises a ``ValueError``).
 """
 
 from __future__ import annotations
@@ -23,18 +24,17 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
 from jaxrec.nn import EmbeddingBagCollection
 from jaxrec.ops import PoolingMode
-from jaxrec.ops.tbe_reference import bag_of_position, position_scale
-from jaxrec.serving._quantize import BITS, dequantize_rows, quantize_rows
+from jaxrec.ops.quantized_lookup import PRECISION_BITS, quantized_lookup
+from jaxrec.ops.quantized_rows import quantize_rows
 from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
-PRECISIONS = ("fp32", *BITS)
+PRECISIONS = tuple(PRECISION_BITS)
 
 
 class QuantizedTable(nnx.Variable):
@@ -66,55 +66,54 @@ class QuantizedEmbeddingBagCollection(nnx.Module):
         self.feature_names = tuple(f for t in self.configs for f in t.feature_names)
         weights = ebc.split_embedding_weights()
         self.precisions = {t.name: precisions[t.name] for t in self.configs}
-        tables = {}
-        for t in self.configs:
-            w = np.asarray(weights[t.name], np.float32)
-            rows = w if self.precisions[t.name] == "fp32" else quantize_rows(w, self.precisions[t.name])
-            tables[t.name] = QuantizedTable(jnp.asarray(rows))
-        self.tables = nnx.data(tables)
+        self.tables = nnx.data({t.name: QuantizedTable(jnp.asarray(_rows(t.name, weights[t.name],
+                                                                         self.precisions[t.name])))
+                                for t in self.configs})
 
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if features.inverse_indices_or_none() is not None:
             raise ValueError("a quantized collection takes a plain KJT; expand a variable-batch "
                              "KJT (inverse_indices) first")
-        blocks = []
-        for t in self.configs:
-            table, precision = self.tables[t.name][...], self.precisions[t.name]
-            for f in t.feature_names:
-                blocks.append(_pooled(features[f], table, precision, t.num_embeddings,
-                                      PoolingMode(t.pooling), features.stride()))
+        keys = list(features.keys())
+        index = {k: i for i, k in enumerate(keys)}
+        missing = [f for f in self.feature_names if f not in index]
+        if missing:
+            raise ValueError(f"the KeyedJaggedTensor lacks the features {missing}; its keys are {keys}")
+        columns = {}
+        for pooling in dict.fromkeys(PoolingMode(t.pooling) for t in self.configs):
+            group = [t for t in self.configs if PoolingMode(t.pooling) == pooling]
+            names = [f for t in group for f in t.feature_names]
+            order = [index[f] for f in names]
+            kjt = features if order == list(range(len(keys))) else features.permute(order)
+            values = kjt.values()
+            pooled = quantized_lookup(
+                [self.tables[t.name][...] for t in group], [self.precisions[t.name] for t in group],
+                [j for j, t in enumerate(group) for _ in t.feature_names], values,
+                kjt.offsets().astype(values.dtype), pooling=pooling, per_sample_weights=kjt.weights_or_none())
+            if names == list(self.feature_names):
+                return KeyedTensor(names, [t.embedding_dim for t in group for _ in t.feature_names], pooled)
+            start = 0
+            for t in group:
+                for f in t.feature_names:
+                    columns[f] = pooled[:, start:start + t.embedding_dim]
+                    start += t.embedding_dim
         dims = [t.embedding_dim for t in self.configs for _ in t.feature_names]
-        return KeyedTensor(list(self.feature_names), dims, jnp.concatenate(blocks, axis=1))
+        return KeyedTensor(list(self.feature_names), dims,
+                           jnp.concatenate([columns[f] for f in self.feature_names], axis=1))
 
 
-def _pooled(bags, table, precision: str, rows: int, pooling: PoolingMode, batch: int) -> jax.Array:
-    """``[batch, dim]`` float32: each bag's rows dequantized and pooled."""
-    ids, offsets = bags.values(), bags.offsets()
-    bag = bag_of_position(offsets, ids.shape[0])  # the KJT's static capacity pads the values
-    scale = position_scale(offsets, bags.weights_or_none(), bag, pooling)  # 0 outside bags
-    ids = jnp.where((ids >= 0) & (ids < rows), ids, 0)
-    gathered = jnp.take(table, ids, axis=0)
-    vectors = gathered if precision == "fp32" else dequantize_rows(gathered, precision)
-    segment = jnp.where((bag >= 0) & (bag < batch), bag, batch)
-    pooled = jax.ops.segment_sum(_no_gradient(vectors * scale[:, None]), segment, num_segments=batch + 1)
-    return pooled[:batch]
-
-
-@jax.custom_vjp
-def _no_gradient(x):
-    return x
-
-
-def _no_gradient_fwd(x):
-    return x, None
-
-
-def _no_gradient_bwd(_, g):
-    raise ValueError("a quantized embedding table has no gradient: it is for serving. Train the "
-                     "float model (EmbeddingBagCollection) and quantize it again")
-
-
-_no_gradient.defvjp(_no_gradient_fwd, _no_gradient_bwd)
+def _rows(name: str, weights, precision: str) -> np.ndarray:
+    """Table ``name``'s rows at ``precision``: float32 or float16 rows, or quantized ones."""
+    w = np.asarray(weights, np.float32)
+    if precision == "fp32":
+        return w
+    if precision == "fp16":
+        limit = float(np.finfo(np.float16).max)
+        if not np.all(np.abs(w) <= limit):
+            raise ValueError(f"table {name!r} holds values beyond float16's range ({limit:g}) or NaN: keep "
+                             "it in fp32")
+        return w.astype(np.float16)
+    return quantize_rows(w, precision)
 
 
 def quantize(model: nnx.Module, precisions: Mapping[str, str] | str = "int8"

@@ -37,10 +37,12 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jaxrec import _ffi
 from jaxrec.sparse import KeyedJaggedTensor
 
 FORMAT = "jaxrec-serving"
-VERSION = 1
+VERSION = 2  # 2: the artifacts call jaxrec's kernels (custom calls); 1: jnp only
+READABLE_VERSIONS = (1, 2)
 BATCH_SIZES = (1, 64, 1024, 4096)
 
 
@@ -69,10 +71,13 @@ def export(model: nnx.Module, path: str | os.PathLike, *, num_dense: int, keys: 
     out.mkdir(parents=True, exist_ok=True)
     np.savez(out / "weights.npz", **{f"a{k}": np.asarray(x) for k, x in enumerate(leaves)})
     specs = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in leaves]
+    # jaxrec's kernels are custom calls, which jax.export refuses unless named; a platform
+    # without jaxrec's handlers here is lowered with the jnp references instead.
+    allowed = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.custom_call_targets()]
     buckets = {}
     for b in sorted(set(int(b) for b in batch_sizes)):
         capacity = max(1, b * ids_per_sample)
-        exported = jax.export.export(jax.jit(serve), platforms=tuple(platforms))(
+        exported = jax.export.export(jax.jit(serve), platforms=tuple(platforms), disabled_checks=allowed)(
             specs, jax.ShapeDtypeStruct((b, num_dense), jnp.float32),
             jax.ShapeDtypeStruct((capacity,), jnp.int32),
             jax.ShapeDtypeStruct((len(keys) * b,), jnp.int32),
@@ -83,6 +88,7 @@ def export(model: nnx.Module, path: str | os.PathLike, *, num_dense: int, keys: 
     files = ["weights.npz"] + [v["file"] for v in buckets.values()]
     manifest = {"format": FORMAT, "version": VERSION, "keys": keys, "num_dense": num_dense,
                 "weighted": weighted, "platforms": list(platforms), "buckets": buckets,
+                "kernels": [p for p in platforms if _ffi.has_kernel(p)],
                 "num_arrays": len(leaves), "sha256": {f: _sha256(out / f) for f in files}}
     (out / "manifest.json").write_text(json.dumps(manifest, indent=1))
     return out
@@ -154,9 +160,10 @@ def load(path: str | os.PathLike) -> Served:
         raise ValueError(f"{manifest_path} is corrupted (not JSON: {error}); export the model again") from None
     if manifest.get("format") != FORMAT:
         raise ValueError(f"{manifest_path} is not a {FORMAT} manifest (format {manifest.get('format')!r})")
-    if manifest.get("version") != VERSION:
+    if manifest.get("version") not in READABLE_VERSIONS:
         raise ValueError(f"{folder} is a version {manifest.get('version')} serving folder; this jaxrec "
-                         f"reads version {VERSION}: load it with the jaxrec that wrote it, or export again")
+                         f"reads versions {READABLE_VERSIONS}: load it with the jaxrec that wrote it, or "
+                         "export again")
     for name, digest in manifest["sha256"].items():
         file = folder / name
         if not file.is_file():
@@ -164,6 +171,8 @@ def load(path: str | os.PathLike) -> Served:
         if _sha256(file) != digest:
             raise ValueError(f"{file} does not match its checksum in manifest.json (corrupted or "
                              "truncated); export the model again")
+    for platform in ("cpu", "cuda"):  # the artifacts' custom calls need jaxrec's handlers registered
+        _ffi.has_kernel(platform)
     with np.load(folder / "weights.npz") as npz:
         arrays = [jnp.asarray(npz[f"a{k}"]) for k in range(manifest["num_arrays"])]
     buckets = {}

@@ -10,7 +10,8 @@ codes, two per byte for int4 (the even column in the low nibble)::
 float16 (the codes are computed with the rounded ones), so every value of the row comes
 back within ``scale / 2`` of the float32 it was, plus float16's relative rounding of the
 row's range (``quantization_error_bound``). A constant row has scale 0 and comes back
-exactly. The jnp functions here are the reference of the quantized lookup.
+exactly. ``dequantize_rows`` is the reference of the quantized lookup's kernels
+(``jaxrec.ops.quantized_lookup``).
 """
 
 from __future__ import annotations
@@ -24,11 +25,15 @@ _SCALE_BIAS_BYTES = 4  # two float16
 
 
 def row_bytes(dim: int, precision: str) -> int:
-    """Bytes of one quantized row of ``dim`` columns (scale and bias included)."""
+    """Bytes of one quantized row of ``dim`` columns (scale and bias included).
+
+    The codes fill whole 32-bit words (4 int8 or 8 int4 columns), so that the lookup's
+    CUDA kernel reads a row as words (csrc/common/quantized_lookup.h)."""
     bits = _bits(precision)
-    if dim * bits % 8:
-        raise ValueError(f"{precision} rows pack {8 // bits} columns per byte: embedding_dim {dim} "
-                         f"must be a multiple of {8 // bits}")
+    if dim < 1 or dim * bits % 32:
+        raise ValueError(f"{precision} rows pack {32 // bits} columns per 32-bit word: embedding_dim {dim} "
+                         f"must be a positive multiple of {32 // bits}; keep this table in fp16 or fp32 "
+                         f"(precisions={{table name: 'fp16'}})")
     return _SCALE_BIAS_BYTES + dim * bits // 8
 
 
