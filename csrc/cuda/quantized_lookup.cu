@@ -1,13 +1,19 @@
 // CUDA handler of the quantized (inference) lookup (common/quantized_lookup.h for the
 // operands): int8 / int4 / float16 / float32 tables, one launch for every feature.
 //
-// A bag goes to a group of 2^shift lanes, each lane reading one 32-bit word of every row
-// of the bag per pass (4 int8 or 8 int4 columns), so a dim-128 int8 row (33 words: the
-// float16 scale and bias, then 32 of codes) is one coalesced 128-byte read by a warp plus
-// the header word, which every lane of the group loads from the same address. Each lane
-// keeps kUnroll rows in flight and sums in float32, in index order: no atomics, the same
-// bits every run. The per-row bias is summed once per row, apart from the codes:
+// A bag goes to a group of 2^shift lanes, each lane reading WordsPerLane 32-bit words of
+// every row of the bag per pass (4 words: 16 int8 columns; int4 2 words, 16 columns),
+// lane l words l, l + G, ...
+// so that each load instruction of the group reads consecutive words: a dim-128 int8 row
+// (33 words: the float16 scale and bias, then 32 of codes) goes to 8 lanes, four bags to
+// a warp. Each lane also loads the row's header word (the same address for the group),
+// keeps kRowsInFlight rows in flight and sums in float32, in index order: no atomics, the
+// same bits every run. The per-row bias is summed once per row, apart from the codes:
 //   sum_p w_p (scale_p * code_pj + bias_p) = sum_p (w_p scale_p) code_pj + sum_p w_p bias_p
+// Why 4 words a lane: with one word a lane (32 lanes per dim-128 int8 row) the kernel was
+// bound by issue, not memory (Nsight Compute on an H100: 0.68 instructions issued per
+// scheduler cycle, DRAM 63% busy): each row's address, bounds check and scale were paid
+// for every 4 columns.
 // The features' descriptions (table pointers, sizes, precisions, warp schedule) are the
 // kernel's parameters, so a launch reads no layout from memory.
 #include <cuda_fp16.h>
@@ -28,7 +34,13 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 constexpr int kThreads = kWarpsPerBlock * kWarpSize;
-constexpr int kUnroll = 8;
+// Each lane reads WordsPerLane 32-bit words of every row of its bag (int8: 4 words, 16
+// columns; int4: 2 words, 16 columns; fp16: 8; fp32: 4), so that a row's address, bounds
+// check and scale are paid once per several columns, and keeps kRowsInFlight rows of its bag in flight.
+// Measured on an H100 (benchmarks/serving_lookup_gpu.py): 8 rows in flight took 114 registers a thread and
+// ran no faster; capping registers at 64 spilled and ran slower.
+constexpr int WordsPerLane(int bits) { return bits == 4 ? 2 : 4; }
+constexpr int kRowsInFlight = 4;
 
 struct LookupParams {
   QuantizedProblem problem;
@@ -49,7 +61,7 @@ __device__ __forceinline__ float Column(uint32_t word, int j) {
   } else if constexpr (kBits == 16) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(word >> (16 * j))));
   } else if constexpr (kBits == 8) {
-    return CodeToFloat(__byte_perm(word, 0u, 0x4440 | j));
+    return __uint_as_float(__byte_perm(word, 0x4b000000u, 0x7540 | j)) - 8388608.f;  // byte j | 2^23
   } else {
     return CodeToFloat((word >> (4 * j)) & 0xfu);
   }
@@ -61,18 +73,16 @@ __device__ __forceinline__ float2 ScaleBias(uint32_t header) {
                      __half2float(__ushort_as_half(static_cast<unsigned short>(header >> 16))));
 }
 
-// Adds row word `word` (header `header`) times `w` into the lane's columns.
+// The factor of a row's codes (values for float rows) in a bag, `w` times its scale; its
+// bias, times `w`, goes into `bias_sum`.
 template <int kBits>
-__device__ __forceinline__ void AddRow(float (&acc)[ColumnsPerWord(kBits)], float& bias_sum, uint32_t header,
-                                       uint32_t word, float w) {
-  float scale = w;
+__device__ __forceinline__ float RowScale(uint32_t header, float w, float& bias_sum) {
   if constexpr (kBits <= 8) {
     const float2 sb = ScaleBias(header);
-    scale = w * sb.x;
     bias_sum = fmaf(w, sb.y, bias_sum);
+    return w * sb.x;
   }
-#pragma unroll
-  for (int j = 0; j < ColumnsPerWord(kBits); ++j) acc[j] = fmaf(scale, Column<kBits>(word, j), acc[j]);
+  return w;
 }
 
 template <int kBits, typename I>
@@ -126,31 +136,48 @@ __device__ __forceinline__ void LookupBag(const QuantizedFeature& f, const I* __
     const bool vector = problem.total_dim % 4 == 0 && f.output_offset % 4 == 0;
     const float mean =
         problem.pooling == PoolingMode::kMean && end > start ? 1.f / static_cast<float>(end - start) : 1.f;
-    for (int word = group_lane; word < words; word += group) {
-      float acc[kColumns] = {};
+    constexpr int kWords = WordsPerLane(kBits);
+    // A pass covers kWords * group words; lane l holds words base + l + k * group,
+    // so that each load instruction of the group reads consecutive words.
+    for (int base = 0; base < words; base += kWords * group) {
+      float acc[kWords][kColumns] = {};
       float bias_sum = 0.f;
-      I p = start;
-      for (; p + kUnroll <= last; p += kUnroll) {
-        uint32_t header[kUnroll], bits[kUnroll];
-        float w[kUnroll];
+      // Batches of kkRowsInFlight rows, the last one predicated: a bag's rows are read in
+      // ceil(L / kRowsInFlight) round trips (an unpredicated tail would add one per row).
+      for (I p = start; p < last; p += kRowsInFlight) {
+        uint32_t header[kRowsInFlight], bits[kRowsInFlight][kWords];
+        float w[kRowsInFlight];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const uint32_t* row = RowWords<kBits>(f, indices[p + u], last_row);
-          header[u] = kHeader ? __ldg(row) : 0u;
-          bits[u] = __ldg(row + kHeader + word);
-          w[u] = psw ? psw[p + u] : 1.f;
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          const bool in_bag = p + u < last;
+          const uint32_t* row = RowWords<kBits>(f, in_bag ? indices[p + u] : I{0}, last_row) + kHeader;
+          header[u] = kHeader && in_bag ? __ldg(row - kHeader) : 0u;
+#pragma unroll
+          for (int k = 0; k < kWords; ++k) {
+            const int word = base + group_lane + k * group;
+            bits[u][k] = in_bag && word < words ? __ldg(row + word) : 0u;
+          }
+          w[u] = in_bag ? (psw ? psw[p + u] : 1.f) : 0.f;
         }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) AddRow<kBits>(acc, bias_sum, header[u], bits[u], w[u]);
-      }
-      for (; p < last; ++p) {
-        const uint32_t* row = RowWords<kBits>(f, indices[p], last_row);
-        AddRow<kBits>(acc, bias_sum, kHeader ? __ldg(row) : 0u, __ldg(row + kHeader + word),
-                      psw ? psw[p] : 1.f);
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          const float scale = RowScale<kBits>(header[u], w[u], bias_sum);
+#pragma unroll
+          for (int k = 0; k < kWords; ++k) {
+#pragma unroll
+            for (int j = 0; j < kColumns; ++j)
+              acc[k][j] = fmaf(scale, Column<kBits>(bits[u][k], j), acc[k][j]);
+          }
+        }
       }
 #pragma unroll
-      for (int j = 0; j < kColumns; ++j) acc[j] = (acc[j] + bias_sum) * mean;
-      StoreColumns<O, kColumns>(out_row + word * kColumns, acc, vector);
+      for (int k = 0; k < kWords; ++k) {
+        const int word = base + group_lane + k * group;
+        if (word >= words) break;
+#pragma unroll
+        for (int j = 0; j < kColumns; ++j) acc[k][j] = (acc[k][j] + bias_sum) * mean;
+        StoreColumns<O, kColumns>(out_row + word * kColumns, acc[k], vector);
+      }
     }
   }
 }
@@ -210,14 +237,15 @@ ffi::Error QuantizedLookupCuda(cudaStream_t stream, ffi::AnyBuffer indices, ffi:
   }
   if (error.failure()) return error;
   QuantizedProblem& problem = params.problem;
-  // 2^shift lanes per bag: enough for a row's words, up to a warp.
+  // 2^shift lanes per bag: enough for a row's words at WordsPerLane words a lane, up to a warp.
   int64_t warps = 0;
   params.warp_start[0] = 0;
   for (int f = 0; f < problem.num_features; ++f) {
     QuantizedFeature& feature = problem.features[f];
-    const int words = feature.dim / ColumnsPerWord(feature.bits);
+    const int per_lane = WordsPerLane(feature.bits);
+    const int lane_words = (feature.dim / ColumnsPerWord(feature.bits) + per_lane - 1) / per_lane;
     int shift = 0;
-    while (shift < 5 && (1 << shift) < words) ++shift;
+    while (shift < 5 && (1 << shift) < lane_words) ++shift;
     feature.shift = shift;
     warps += (problem.batch_size + (kWarpSize >> shift) - 1) / (kWarpSize >> shift);
     if (warps >= (int64_t{1} << 31) / kThreads) return Invalid(kOp, "the batch is too large for one launch");

@@ -131,7 +131,7 @@ class Served:
         """One piece of at most the largest bucket's samples, padded to its bucket."""
         b = dense.shape[0]
         size = min(s for s in self._buckets if s >= b)
-        exported, capacity = self._buckets[size]
+        call, capacity = self._buckets[size]
         if values.size > capacity:
             raise ValueError(f"{values.size} ids for {b} samples; the {size}-sample bucket of {self.path} "
                              f"takes at most {capacity}: export with a larger ids_per_sample")
@@ -143,8 +143,8 @@ class Served:
         pad_weights[:values.size] = weights
         pad_dense = np.zeros((size, dense.shape[1]), np.float32)
         pad_dense[:b] = dense
-        out = exported.call(self._arrays, pad_dense, pad_values, pad_lengths.reshape(-1), pad_weights)
-        return out[:b]
+        out = call(self._arrays, pad_dense, pad_values, pad_lengths.reshape(-1), pad_weights)
+        return out if b == size else out[:b]
 
 
 def load(path: str | os.PathLike) -> Served:
@@ -182,7 +182,8 @@ def load(path: str | os.PathLike) -> Served:
         if expected != [tuple(a.shape) for a in arrays]:
             raise ValueError(f"{folder}/weights.npz does not hold the arrays {entry['file']} was "
                              "exported with; export the model again")
-        buckets[int(size)] = (exported, entry["capacity"])
+        # Under jit: one dispatch per call (exported.call alone dispatches op by op on the host).
+        buckets[int(size)] = (jax.jit(exported.call), entry["capacity"])
     return Served(folder, manifest, arrays, buckets)
 
 
