@@ -2,6 +2,8 @@
 
     jaxrec train  trains a model end to end (the default command: DLRM on synthetic data;
                   jaxrec train --help)
+    jaxrec export a trained run's model, quantized, as a serving folder (jaxrec export
+                  CHECKPOINT OUT; --help)
     jaxrec bench  the TBE lookup benchmark (GPU when there is one, else CPU; --help)
     jaxrec demo   a short tour: the build, a KeyedJaggedTensor, bounds checking and a
                   table-batched lookup with its gradient
@@ -69,7 +71,7 @@ def demo() -> None:
           "(user rows 1, 3, 7 and item rows 0, 2, 4 + 8)")
 
 
-COMMANDS = ("train", "bench", "demo", "info")
+COMMANDS = ("train", "export", "bench", "demo", "info")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxrec.train import main as train_main
 
         return train_main(rest)
+    if command == "export":
+        from jaxrec.serving._command import main as export_main
+
+        return export_main(rest)
     if command == "bench":
         from jaxrec.benchmark import main as bench_main
 

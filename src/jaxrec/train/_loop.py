@@ -65,7 +65,7 @@ from jaxrec.train._plot import plot_curves
 from jaxrec.train._progress import Progress
 from jaxrec.train._tasks import best_evaluation, build_task, evaluations_since_best
 
-_DENSE = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd}
+DENSE_OPTIMIZERS = {"adam": optax.adam, "adagrad": optax.adagrad, "sgd": optax.sgd}
 _LOG_EVERY = 50  # steps between training-loss points (and progress lines off a terminal)
 _EVAL_EVERY = 250  # steps between evaluations of a run counted in steps (--eval-every)
 _KEEP = 3  # newest checkpoints kept in checkpoint_dir (the best one is kept besides)
@@ -100,7 +100,7 @@ class _Run:
         self.task = build_task(config)
         self.model = self.task.model
         self.optimizer = nnx.Optimizer(
-            self.model, _DENSE[config.dense_optimizer](config.dense_learning_rate), wrt=nnx.Param)
+            self.model, DENSE_OPTIMIZERS[config.dense_optimizer](config.dense_learning_rate), wrt=nnx.Param)
         self.history: dict = {"train": [], "eval": []}
         self.step = 0
         self.resumed: dict | None = None
@@ -250,7 +250,7 @@ class _Run:
                 f"{directory} (deleted, or set aside as corrupt), so the best model cannot be "
                 f"tested; the newest checkpoint, step {latest_step(directory)}, is the last "
                 "model")
-        state, _ = restore_checkpoint(directory, _state(self.model, self.optimizer), step=step)
+        state, _ = restore_checkpoint(directory, checkpoint_state(self.model, self.optimizer), step=step)
         nnx.update(self.model, state["model"])
 
     def _save(self) -> None:
@@ -263,7 +263,7 @@ class _Run:
         # One batch per step, so the data position is the step; both are saved, so that a
         # future loader with other batch accounting can still find its place.
         try:
-            save_checkpoint(directory, self.step, _state(self.model, self.optimizer), keep=_KEEP,
+            save_checkpoint(directory, self.step, checkpoint_state(self.model, self.optimizer), keep=_KEEP,
                             keep_steps=self._best_steps(),
                             metadata={"step": self.step, "data_position": self.step,
                                       "history": self.history,
@@ -358,7 +358,7 @@ class _Run:
             # The settings first (cheap, and clearer than a state that does not fit), then
             # the state: its arrays may be corrupt where the metadata was not.
             self._check_settings(read_metadata(directory), directory)
-            state, meta = restore_checkpoint(directory, _state(self.model, self.optimizer))
+            state, meta = restore_checkpoint(directory, checkpoint_state(self.model, self.optimizer))
         applied = self._check_settings(meta, directory)
         nnx.update(self.model, state["model"])
         nnx.update(self.optimizer, state["optimizer"])  # optax keeps no rate: the new one holds
@@ -390,7 +390,8 @@ class _Run:
         return applied
 
 
-def _state(model, optimizer):
+def checkpoint_state(model, optimizer):
+    """What a run's checkpoint holds (``jaxrec export`` restores into it too)."""
     return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
 
 
