@@ -56,13 +56,13 @@ struct QuantizedProblem {
 };
 
 // Checks the operands and attributes (the Python wrapper validated them first: this is
-// the last line) and fills `problem`; `table_data(t)` gives table t's buffer.
-template <typename TableAt>
-ffi::Error ValidateQuantized(std::string_view op, const ffi::AnyBuffer& indices,
-                             const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& per_sample_weights,
-                             size_t num_tables, const TableAt& table_at, const ffi::AnyBuffer& out,
-                             int32_t pooling, ffi::Span<const int64_t> feature_tables,
-                             ffi::Span<const int64_t> bits, QuantizedProblem* problem) {
+// the last line) and fills `problem`.
+inline ffi::Error ValidateQuantized(std::string_view op, const ffi::AnyBuffer& indices,
+                                    const ffi::AnyBuffer& offsets, const ffi::AnyBuffer& per_sample_weights,
+                                    const ffi::RemainingArgs& tables, const ffi::AnyBuffer& out,
+                                    int32_t pooling, ffi::Span<const int64_t> feature_tables,
+                                    ffi::Span<const int64_t> bits, QuantizedProblem* problem) {
+  const size_t num_tables = tables.size();
   auto invalid = [&](const std::string& message) {
     return ffi::Error::InvalidArgument(std::string(op) + ": " + message);
   };
@@ -102,7 +102,9 @@ ffi::Error ValidateQuantized(std::string_view op, const ffi::AnyBuffer& indices,
     const int64_t t = feature_tables[f];
     if (t < 0 || t >= static_cast<int64_t>(num_tables))
       return invalid("feature_tables names no table operand");
-    const ffi::AnyBuffer table = table_at(t);
+    const auto found = tables.get<ffi::AnyBuffer>(t);
+    if (found.has_error()) return invalid("table operand " + std::to_string(t) + " is no buffer");
+    const ffi::AnyBuffer table = found.value();
     const int64_t b = bits[t];
     const ffi::DataType expected = b == 32   ? ffi::DataType::F32
                                    : b == 16 ? ffi::DataType::F16

@@ -98,20 +98,11 @@ ffi::Error QuantizedLookupCpu(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi:
                               ffi::Result<ffi::AnyBuffer> out, int32_t pooling,
                               ffi::Span<const int64_t> feature_tables, ffi::Span<const int64_t> bits) {
   QuantizedProblem problem;
-  ffi::Error error = ffi::Error::Success();
-  auto table_at = [&](int64_t t) {
-    auto table = tables.get<ffi::AnyBuffer>(t);
-    if (!table.has_error()) return table.value();
-    error = ffi::Error::InvalidArgument(std::string(kOp) + ": table operand " + std::to_string(t) +
-                                        " is no buffer");
-    return per_sample_weights;  // fails the table checks
-  };
-  if (ffi::Error invalid = ValidateQuantized(kOp, indices, offsets, per_sample_weights, tables.size(),
-                                             table_at, *out, pooling, feature_tables, bits, &problem);
+  if (ffi::Error invalid = ValidateQuantized(kOp, indices, offsets, per_sample_weights, tables, *out, pooling,
+                                             feature_tables, bits, &problem);
       invalid.failure()) {
     return invalid;
   }
-  if (error.failure()) return error;
   if (problem.pooling == PoolingMode::kNone) std::memset(out->untyped_data(), 0, out->size_bytes());
   int32_t max_dim = 0;
   for (int32_t f = 0; f < problem.num_features; ++f) max_dim = std::max(max_dim, problem.features[f].dim);

@@ -224,20 +224,11 @@ ffi::Error QuantizedLookupCuda(cudaStream_t stream, ffi::AnyBuffer indices, ffi:
                                ffi::Result<ffi::AnyBuffer> out, int32_t pooling,
                                ffi::Span<const int64_t> feature_tables, ffi::Span<const int64_t> bits) {
   LookupParams params;
-  ffi::Error error = ffi::Error::Success();
-  auto table_at = [&](int64_t t) {
-    auto table = tables.get<ffi::AnyBuffer>(t);
-    if (!table.has_error()) return table.value();
-    error = ffi::Error::InvalidArgument(std::string(kOp) + ": table operand " + std::to_string(t) +
-                                        " is no buffer");
-    return per_sample_weights;  // fails the table checks
-  };
-  if (ffi::Error invalid = ValidateQuantized(kOp, indices, offsets, per_sample_weights, tables.size(),
-                                             table_at, *out, pooling, feature_tables, bits, &params.problem);
+  if (ffi::Error invalid = ValidateQuantized(kOp, indices, offsets, per_sample_weights, tables, *out, pooling,
+                                             feature_tables, bits, &params.problem);
       invalid.failure()) {
     return invalid;
   }
-  if (error.failure()) return error;
   QuantizedProblem& problem = params.problem;
   // 2^shift lanes per bag: enough for a row's words at WordsPerLane words a lane, up to a warp.
   int64_t warps = 0;
