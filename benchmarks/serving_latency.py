@@ -13,7 +13,8 @@ CUDA on a GPU machine):
    ``load`` back: ``predict(dense, kjt)``, what users of a folder get;
 3. per precision and batch size B in (1, 64, 1024, 4096), the latency of one call:
    ``loaded``: ``predict(dense, KeyedJaggedTensor(keys, values, lengths=lengths,
-   capacity=B * 26))``, and ``jit``: the same quantized model in memory, split once with
+   capacity=B * 26))``; ``arrays``: ``predict.predict_arrays(dense, lengths, values)``, the
+   same folder from the host arrays without a KJT; and ``jit``: the same quantized model in memory, split once with
    ``nnx.split`` and called through ``jax.jit`` on the same KJT; for reference,
    ``trained_fp32 / jit``: the trained model itself (the float tables' lookup kernels).
 
@@ -67,8 +68,9 @@ TRAIN_BATCH = 1024
 HELD_OUT = 1_000_000  # sample indices from here on are never trained on
 METHOD = ("per call: KeyedJaggedTensor(keys, values, lengths=lengths, capacity=B * ids_per_sample) "
           "from the request's host arrays, the model call, np.asarray(scores) (ends with the scores "
-          "on the host); time.perf_counter around each call; first call (compile) excluded and "
-          "reported as first_call_ms")
+          "on the host); path 'arrays': Served.predict_arrays on the host arrays, no KJT; "
+          "time.perf_counter around each call; first call (compile) excluded and reported as "
+          "first_call_ms")
 
 
 def train(steps: int) -> tuple[SyntheticClickLog, DLRM, dict]:
@@ -113,6 +115,14 @@ def loaded_call(predict: serving.Served, keys, capacity: int):
     def call(request):
         dense, values, lengths = request[:3]
         return np.asarray(predict(dense, kjt(keys, values, lengths, capacity)))
+    return call
+
+
+def arrays_call(predict: serving.Served):
+    """One request through the loaded folder from its host arrays (``predict_arrays``: no KJT)."""
+    def call(request):
+        dense, values, lengths = request[:3]
+        return np.asarray(predict.predict_arrays(dense, lengths, values))
     return call
 
 
@@ -251,6 +261,7 @@ def main(argv=None) -> int:
             cases = {("trained_fp32", "jit"): jit_call(model, log.keys, capacity)}
             for precision in PRECISIONS:
                 cases[(precision, "loaded")] = loaded_call(predicts[precision], log.keys, capacity)
+                cases[(precision, "arrays")] = arrays_call(predicts[precision])
                 cases[(precision, "jit")] = jit_call(served[precision], log.keys, capacity)
             times, first = latencies(cases, reqs[b], calls, args.rounds, args.warmup)
             for (precision, path), seconds in times.items():

@@ -52,7 +52,7 @@ np.save("{tmp_path / 'out.npy'}", np.asarray(load("{path}")(batch.dense, batch.s
     got, expected = np.load(tmp_path / "out.npy"), in_memory(served, batch)
     if jax.default_backend() == "cpu":  # the same program on the same CPU: the same bits
         np.testing.assert_array_equal(got, expected)
-    else:  # XLA's GPU scatter-add in the pooling sums in no fixed order (docs/serving.md)
+    else:  # compiled apart on a GPU, the two programs agree to rounding (docs/serving.md)
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -63,6 +63,15 @@ def test_other_batch_sizes_go_through_the_buckets(exported):
     got = np.asarray(predict(batch.dense, batch.sparse))
     assert got.shape == (70, 1)
     np.testing.assert_allclose(got, in_memory(served, batch), rtol=1e-5, atol=1e-6)
+    # The same request as host arrays, without a KJT: the same programs, the same bits.
+    lengths, values = np.asarray(batch.sparse.lengths()), np.asarray(batch.sparse.values())
+    np.testing.assert_array_equal(np.asarray(predict.predict_arrays(batch.dense, lengths, values)), got)
+    small = next(LOG.batches(5, 1, start=2000))
+    np.testing.assert_array_equal(
+        np.asarray(predict.predict_arrays(small.dense, small.sparse.lengths(), small.sparse.values())),
+        np.asarray(predict(small.dense, small.sparse)))
+    with pytest.raises(ValueError, match=r"lengths must hold 26 keys x 70 samples = 1820 entries"):
+        predict.predict_arrays(batch.dense, lengths[:-1], values)
 
 
 def test_bad_calls_and_bad_folders_are_named(exported, tmp_path):

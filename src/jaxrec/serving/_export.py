@@ -105,19 +105,36 @@ class Served:
         if list(sparse.keys()) != list(self.keys):
             raise ValueError(f"the KJT's keys {sparse.keys()} are not the served model's {list(self.keys)} "
                              "(in this order)")
-        dense = np.asarray(dense, np.float32)
-        if dense.ndim != 2 or dense.shape[1] != self.manifest["num_dense"] or sparse.stride() != dense.shape[0]:
-            raise ValueError(f"dense must be [B, {self.manifest['num_dense']}] float32 with B the KJT's "
-                             f"{sparse.stride()} samples, got shape {dense.shape}")
-        batch = dense.shape[0]
-        lengths = np.asarray(sparse.lengths()).reshape(len(self.keys), batch)
-        values = np.asarray(sparse.values())
         weights = sparse.weights_or_none()
+        if sparse.stride() != np.shape(dense)[0]:
+            raise ValueError(f"dense must be [B, {self.manifest['num_dense']}] float32 with B the KJT's "
+                             f"{sparse.stride()} samples, got shape {np.shape(dense)}")
+        return self.predict_arrays(dense, sparse.lengths(), sparse.values(),
+                                   None if weights is None else weights)
+
+    def predict_arrays(self, dense, lengths, values, weights=None):
+        """Scores from a request's host arrays, without building a KJT (whose arrays would go
+        to the device and back to be padded): ``dense [B, num_dense]``, ``lengths
+        [num_keys * B]`` key-major in ``self.keys``' order, ``values`` the ids, key-major
+        (entries past ``sum(lengths)`` are ignored), ``weights`` per id or None."""
+        dense = np.asarray(dense, np.float32)
+        if dense.ndim != 2 or dense.shape[1] != self.manifest["num_dense"]:
+            raise ValueError(f"dense must be [B, {self.manifest['num_dense']}] float32, got shape {dense.shape}")
+        batch = dense.shape[0]
+        lengths = np.asarray(lengths)
+        if lengths.size != len(self.keys) * batch:
+            raise ValueError(f"lengths must hold {len(self.keys)} keys x {batch} samples = "
+                             f"{len(self.keys) * batch} entries (key-major), got {lengths.size}")
+        lengths = lengths.reshape(len(self.keys), batch)
+        values = np.asarray(values)
         weights = np.ones(values.shape, np.float32) if weights is None else np.asarray(weights, np.float32)
         # Per key, where each sample's ids start (values are key-major), for cutting pieces.
         starts = np.concatenate([np.zeros((len(self.keys), 1), np.int64), np.cumsum(lengths, axis=1)], axis=1)
         key_start = np.concatenate([[0], np.cumsum(starts[:, -1])])[:-1]
         largest = max(self._buckets)
+        if batch <= largest:  # one piece: the ids as they are
+            total = int(starts[:, -1].sum())
+            return self._bucket_call(dense, lengths, values[:total], weights[:total])
         parts = []
         for start in range(0, batch, largest):
             stop = min(start + largest, batch)
@@ -125,7 +142,7 @@ class Served:
                                    for k in range(len(self.keys))]).astype(np.int64)
             parts.append(self._bucket_call(dense[start:stop], lengths[:, start:stop], values[take],
                                            weights[take]))
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
+        return jnp.concatenate(parts)
 
     def _bucket_call(self, dense, lengths, values, weights):
         """One piece of at most the largest bucket's samples, padded to its bucket."""
