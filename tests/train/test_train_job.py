@@ -35,11 +35,11 @@ def test_default_command_learns_and_writes_its_outputs(tmp_path, capsys):
 
 
 def model_state(config, directory, step):
-    from jaxrec.train._loop import _DENSE, _state
+    from jaxrec.train._loop import DENSE_OPTIMIZERS, checkpoint_state
 
     task = build_task(config)
-    tx = _DENSE[config.dense_optimizer](config.dense_learning_rate)
-    target = _state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
+    tx = DENSE_OPTIMIZERS[config.dense_optimizer](config.dense_learning_rate)
+    target = checkpoint_state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
     state, meta = restore_checkpoint(directory, target, step=step)
     return state, meta
 

@@ -58,8 +58,8 @@ def config(ratings, tmp_path, **changes) -> TrainConfig:
 
 def checkpoint_state(conf: TrainConfig, step: int):
     task = build_task(conf)
-    optimizer = nnx.Optimizer(task.model, _loop._DENSE[conf.dense_optimizer](1.0), wrt=nnx.Param)
-    return restore_checkpoint(conf.checkpoint_dir, _loop._state(task.model, optimizer),
+    optimizer = nnx.Optimizer(task.model, _loop.DENSE_OPTIMIZERS[conf.dense_optimizer](1.0), wrt=nnx.Param)
+    return restore_checkpoint(conf.checkpoint_dir, _loop.checkpoint_state(task.model, optimizer),
                               step=step)
 
 

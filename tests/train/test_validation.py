@@ -63,8 +63,8 @@ def scripted(monkeypatch, curve: dict[int, float], metric: str = "rmse") -> None
 def stored_model_rmse(conf: TrainConfig, step: int) -> float:
     """The test RMSE of checkpoint ``step``'s model."""
     task = build_task(conf)
-    optimizer = nnx.Optimizer(task.model, _loop._DENSE[conf.dense_optimizer](1.0), wrt=nnx.Param)
-    state, _ = restore_checkpoint(conf.checkpoint_dir, _loop._state(task.model, optimizer),
+    optimizer = nnx.Optimizer(task.model, _loop.DENSE_OPTIMIZERS[conf.dense_optimizer](1.0), wrt=nnx.Param)
+    state, _ = restore_checkpoint(conf.checkpoint_dir, _loop.checkpoint_state(task.model, optimizer),
                                   step=step)
     nnx.update(task.model, state["model"])
     return task.evaluate(nnx.jit(task.predict), task.test_batches)["rmse"]
