@@ -4,6 +4,8 @@
                   jaxrec train --help)
     jaxrec export a trained run's model, quantized, as a serving folder (jaxrec export
                   CHECKPOINT OUT; --help)
+    jaxrec launch a program as N processes joined by jax.distributed (jaxrec launch -n 2
+                  --cpu-devices 4 -- python train.py; --help)
     jaxrec bench  the TBE lookup benchmark (GPU when there is one, else CPU; --help)
     jaxrec demo   a short tour: the build, a KeyedJaggedTensor, bounds checking and a
                   table-batched lookup with its gradient
@@ -71,7 +73,7 @@ def demo() -> None:
           "(user rows 1, 3, 7 and item rows 0, 2, 4 + 8)")
 
 
-COMMANDS = ("train", "export", "bench", "demo", "info")
+COMMANDS = ("train", "export", "launch", "bench", "demo", "info")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -96,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         from jaxrec.serving._command import main as export_main
 
         return export_main(rest)
+    if command == "launch":
+        from jaxrec.parallel._multiprocess import main as launch_main
+
+        return launch_main(rest)
     if command == "bench":
         from jaxrec.benchmark import main as bench_main
 

@@ -12,12 +12,15 @@ TorchRec's answer to tables that do not fit one GPU, on JAX's own engine
   ``make_forward``; a sharded model trains with ``jaxrec.nn.make_train_step``, one jitted
   step for the whole model.
 - ``portable_state`` / ``load_portable_state``: checkpoints that restore on any mesh.
+- ``initialize_distributed`` / ``launch``: several processes on one mesh
+  (``jax.distributed``; ``jaxrec launch``), docs/multiprocess.md.
 
 The planner and the types never import Flax; the sharded module is Flax NNX like
 ``jaxrec.nn``. Design, pictures and limits: docs/parallel.md.
 """
 
 from jaxrec.parallel._estimator import PlanStats, estimate
+from jaxrec.parallel._multiprocess import initialize_distributed, launch
 from jaxrec.parallel._planner import EmbeddingShardingPlanner, PlannerError
 from jaxrec.parallel._table_spec import TableSpec
 from jaxrec.parallel._topology import ParameterConstraints, Topology
@@ -50,6 +53,8 @@ __all__ = [
     "construct_plan",
     "data_parallel",
     "estimate",
+    "initialize_distributed",
+    "launch",
     "load_portable_state",
     "make_forward",
     "portable_state",

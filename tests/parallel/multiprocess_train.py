@@ -1,0 +1,61 @@
+"""One process of tests/parallel/test_multiprocess.py: the sharded DLRM of the "mixed" plan
+(every sharding type, TABLE_ROW_WISE inside one "host" of 4 devices) trained 3 steps with
+fused Adam on weighted ids; process 0 saves the losses and the whole model state.
+
+    jaxrec launch -n 2 --cpu-devices 4 -- python multiprocess_train.py OUT.npz [--fail-rank R | --hang-rank R]
+
+``train()`` is also what the test runs in its own process on 8 devices, to compare.
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+STEPS = 3
+
+
+def train() -> dict[str, np.ndarray]:
+    import jax
+    import optax
+    from flax import nnx
+    from jax.experimental import multihost_utils
+    from parallel_testing import B, build, mesh, plan, random_batch, squared_error
+
+    import jaxrec.parallel as par
+    from jaxrec.nn import make_train_step
+    from jaxrec.optim import Adam
+
+    model = par.shard(build(Adam(learning_rate=0.05)), plan("mixed"), mesh())
+    optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+    step = make_train_step(lambda m, b: squared_error(m, b, B))
+    # Every process holds the global batch; shard_batch places each process's rows on its devices.
+    losses = [float(step(model, optimizer, par.shard_batch(random_batch(i, weighted=True), mesh())))
+              for i in range(STEPS)]
+
+    def gathered(x):  # a global array spans other processes' devices: gather it to every process
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    state = [gathered(x) for x in jax.tree.leaves(nnx.state(model))]
+    return {"losses": np.asarray(losses), **{f"a{k}": x for k, x in enumerate(state)}}
+
+
+if __name__ == "__main__":
+    out, rank = sys.argv[1], int(os.environ.get("JAXREC_PROCESS_ID", "0"))
+    if sys.argv[2:4] == ["--fail-rank", str(rank)]:
+        sys.exit(3)  # a peer that dies before joining
+    if sys.argv[2:4] == ["--hang-rank", str(rank)]:
+        time.sleep(3600)  # a peer that never joins
+    import jaxrec.parallel as par
+
+    par.initialize_distributed(timeout_s=60)  # before any computation
+    result = train()
+    import jax
+
+    if jax.process_index() == 0:
+        np.savez(out, **result)
