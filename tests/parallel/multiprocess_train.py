@@ -1,6 +1,8 @@
 """One process of tests/parallel/test_multiprocess.py: the sharded DLRM of the "mixed" plan
 (every sharding type, TABLE_ROW_WISE inside one "host" of 4 devices) trained 3 steps with
-fused Adam on weighted ids; process 0 saves the losses and the whole model state.
+fused Adam on weighted ids, each process feeding only its own rows of the global batch
+(``shard_batch(..., process_local=True)``); process 0 saves the losses and the whole model
+state.
 
     jaxrec launch -n 2 --cpu-devices 4 -- python multiprocess_train.py OUT.npz [--fail-rank R | --hang-rank R]
 
@@ -28,13 +30,18 @@ def train() -> dict[str, np.ndarray]:
     import jaxrec.parallel as par
     from jaxrec.nn import make_train_step
     from jaxrec.optim import Adam
+    from jaxrec.parallel._train import _slice as slice_rows
 
     model = par.shard(build(Adam(learning_rate=0.05)), plan("mixed"), mesh())
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = make_train_step(lambda m, b: squared_error(m, b, B))
-    # Every process holds the global batch; shard_batch places each process's rows on its devices.
-    losses = [float(step(model, optimizer, par.shard_batch(random_batch(i, weighted=True), mesh())))
-              for i in range(STEPS)]
+    rank, count = jax.process_index(), jax.process_count()
+    mine = [k for k, d in enumerate(mesh().devices.flat) if d.process_index == rank]
+    assert mine == list(range(rank * len(mine), (rank + 1) * len(mine))), mine  # a block of the mesh
+    losses = []
+    for i in range(STEPS):  # each process builds only its own rows of the global batch
+        local = slice_rows(random_batch(i, weighted=True), rank, count)
+        losses.append(float(step(model, optimizer, par.shard_batch(local, mesh(), process_local=True))))
 
     def gathered(x):  # a global array spans other processes' devices: gather it to every process
         if isinstance(x, jax.Array) and not x.is_fully_addressable:

@@ -3,8 +3,7 @@
 JAX's own multi-controller runtime (``jax.distributed``) joins the processes; every process
 runs the same program over the global mesh, each driving its local devices. A sharded
 model trains as it does in one process: each process builds the same model (same seeds)
-and passes the global batch to ``shard_batch``, which places each process's rows on its
-own devices::
+and passes its own rows of the global batch to ``shard_batch(..., process_local=True)``::
 
     jaxrec launch -n 2 --cpu-devices 4 -- python train.py      # 2 processes x 4 CPU devices
 
@@ -13,7 +12,7 @@ own devices::
     par.initialize_distributed()          # from the launcher's environment, or a cluster's
     mesh = jax.make_mesh((jax.device_count(),), ("data",))   # 8 devices over 2 processes
     model = par.shard(build_model(), plan, mesh)
-    ...
+    loss = step(model, optimizer, par.shard_batch(my_rows, mesh, process_local=True))
 
 On CPU the cross-process collectives are gloo's (``jax_cpu_collectives_implementation``),
 which ``initialize_distributed`` selects. Tested (``tests/parallel/test_multiprocess.py``):

@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -99,7 +100,7 @@ def make_forward(fn):
 
 def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
                 capacity: int | None = None, per_device: bool = False,
-                model: nnx.Module | None = None):
+                model: nnx.Module | None = None, process_local: bool = False):
     """The device-stacked batch of ``make_train_step`` (module doc), placed on ``mesh``.
 
     ``batch``: a global batch (any pytree: arrays with a leading batch axis of N * B rows,
@@ -109,10 +110,19 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
     (``capacity_bucket``), so that recompiles stay rare. ``model``: its sharded collections
     size their row return from this batch's KJTs (``fit_row_return``; their groups of
     bounded features then receive distinct rows, not pooled bags or partial sums).
+    ``process_local``: with several processes (docs/multiprocess.md), ``batch`` holds only
+    this process's rows, for its own devices of the mesh, in mesh order; every process calls
+    ``shard_batch`` alike, and the KJTs' capacity is the largest over all processes.
     """
     mesh = auto_mesh(mesh)
     axis_name = mesh.axis_names[0] if axis_name is None else axis_name
     n = mesh.shape[axis_name]
+    if process_local:
+        if model is not None:
+            raise ValueError("shard_batch(process_local=True) cannot size the row return from one "
+                             "process's KJTs; pass model=None (and size it with fit_row_return on the "
+                             "global batch's KJTs) or give every process the global batch")
+        n = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
     if per_device:
         parts = list(batch)
         if len(parts) != n:
@@ -124,9 +134,11 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
     kjts = [[x for x in jax.tree.leaves(p, is_leaf=is_kjt) if is_kjt(x)] for p in parts]
     if model is not None:
         _fit_row_return(model, kjts)
+    needs = [max(int(np.asarray(k[j].lengths()).sum()) for k in kjts) for j in range(len(kjts[0]))]
+    if process_local and jax.process_count() > 1:  # one static capacity in every process
+        needs = np.asarray(multihost_utils.process_allgather(np.asarray(needs, np.int64))).max(axis=0).tolist()
     caps = []
-    for j in range(len(kjts[0])):
-        need = max(int(np.asarray(k[j].lengths()).sum()) for k in kjts)
+    for need in needs:
         if capacity is not None and need > capacity:
             raise ValueError(f"a device's KJT holds {need} ids but capacity={capacity}; pass a "
                              "larger capacity (or None)")
@@ -139,6 +151,9 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
             fitted.append(_fit(x, next(it)) if is_kjt(x) else np.asarray(x))
         stacked.append(jax.tree.unflatten(treedef, fitted))
     sharding = NamedSharding(mesh, P(axis_name))
+    if process_local:
+        return jax.tree.map(lambda *xs: jax.make_array_from_process_local_data(
+            sharding, np.stack([np.asarray(x) for x in xs])), *stacked)
     return jax.tree.map(lambda *xs: jax.device_put(np.stack([np.asarray(x) for x in xs]), sharding),
                         *stacked)
 
