@@ -2,9 +2,10 @@
 (every sharding type, TABLE_ROW_WISE inside one "host" of 4 devices) trained 3 steps with
 fused Adam on weighted ids, each process feeding only its own rows of the global batch
 (``shard_batch(..., process_local=True)``); process 0 saves the losses and the whole model
-state.
+state, and with ``--save`` every process writes its shards of a checkpoint.
 
-    jaxrec launch -n 2 --cpu-devices 4 -- python multiprocess_train.py OUT.npz [--fail-rank R | --hang-rank R]
+    jaxrec launch -n 2 --cpu-devices 4 -- python multiprocess_train.py OUT.npz [--save DIR]
+    (or --fail-rank R, --hang-rank R: a peer that dies, or never joins)
 
 ``train()`` is also what the test runs in its own process on 8 devices, to compare.
 """
@@ -20,7 +21,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 STEPS = 3
 
 
-def train() -> dict[str, np.ndarray]:
+def train(save: str | None = None) -> dict[str, np.ndarray]:
     import jax
     import optax
     from flax import nnx
@@ -48,6 +49,10 @@ def train() -> dict[str, np.ndarray]:
             return np.asarray(multihost_utils.process_allgather(x, tiled=True))
         return np.asarray(x)
 
+    if save:  # every process writes its shards of the state (orbax), process 0 the manifest
+        from jaxrec.checkpoint import save_checkpoint
+
+        save_checkpoint(save, STEPS, nnx.state(model), metadata={"processes": count})
     state = [gathered(x) for x in jax.tree.leaves(nnx.state(model))]
     return {"losses": np.asarray(losses), **{f"a{k}": x for k, x in enumerate(state)}}
 
@@ -61,7 +66,7 @@ if __name__ == "__main__":
     import jaxrec.parallel as par
 
     par.initialize_distributed(timeout_s=60)  # before any computation
-    result = train()
+    result = train(save=sys.argv[3] if sys.argv[2:3] == ["--save"] else None)
     import jax
 
     if jax.process_index() == 0:
