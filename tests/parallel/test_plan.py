@@ -93,6 +93,7 @@ def test_criteo_plan_fits_the_memory_and_is_balanced():
     assert from_configs.perf == stats.perf and from_configs.memory == stats.memory
     text = p.table()
     assert "row_wise" in text and "t_C3" in text and "slowest device" in text
+    assert text.splitlines()[1].split()[:4] == ["table", "type", "devices", "hosts"]
     assert "(tolerance 1.10)" in text
 
 

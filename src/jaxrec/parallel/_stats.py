@@ -39,11 +39,12 @@ def format_plan(plan) -> str:
     if stats is not None:
         head += f", batch {stats.topology.batch_size} per device"
     lines = [head + " ---"]
-    rows = [("table", "type", "devices", "shards (rows x cols)", "compute (ms)", "memory (GiB)")]
+    rows = [("table", "type", "devices", "hosts", "shards (rows x cols)", "compute (ms)", "memory (GiB)")]
     for name, ps in plan.items():
         perf = f"{stats.table_perf[name] * 1e3:.3f}" if stats else "-"
         mem = f"{stats.table_memory[name] / gib:.3f}" if stats else "-"
-        rows.append((name, ps.sharding_type.value, _devices(ps.ranks), _shards(ps), perf, mem))
+        hosts = _devices({r // local for r in ps.ranks})
+        rows.append((name, ps.sharding_type.value, _devices(ps.ranks), hosts, _shards(ps), perf, mem))
     lines += _columns(rows)
     if stats is None:
         return "\n".join(lines)
@@ -52,10 +53,10 @@ def format_plan(plan) -> str:
         for d in (ps.ranks if not ps.shards else [s.device for s in ps.shards]):
             per_device[d][_SHORT[ps.sharding_type.value]] += 1
     cap = stats.topology.hbm_cap
-    rows = [("device", "memory (GiB)", "step (ms)", "compute (ms)", "shards")]
+    rows = [("device", "host", "memory (GiB)", "step (ms)", "compute (ms)", "shards")]
     for d in range(n):
         memory = f"{stats.memory / gib:.2f} / {cap / gib:.2f} ({100 * stats.memory / cap:.0f}%)"
-        rows.append((str(d), memory,
+        rows.append((str(d), str(d // local), memory,
                      f"{stats.perf[d] * 1e3:.3f}", f"{stats.compute[d] * 1e3:.3f}",
                      ", ".join(f"{k} {v}" for k, v in sorted(per_device[d].items()))))
     lines += [""] + _columns(rows)
