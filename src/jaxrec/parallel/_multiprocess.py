@@ -60,13 +60,15 @@ def initialize_distributed(coordinator_address: str | None = None, num_processes
 
 
 def launch(command: Sequence[str], num_processes: int, *, cpu_devices: int | None = None,
-           timeout_s: float | None = None, port: int | None = None) -> int:
+           gpus_per_process: int | None = None, timeout_s: float | None = None,
+           port: int | None = None) -> int:
     """Runs ``command`` as ``num_processes`` processes on this machine, joined by
     ``initialize_distributed``; returns 0 when all succeed.
 
     ``command``: the program and its arguments (``["python", "train.py"]``; ``python``
     is this interpreter). ``cpu_devices``: CPU devices per process
-    (``--xla_force_host_platform_device_count``). The first process to fail stops the
+    (``--xla_force_host_platform_device_count``); ``gpus_per_process``: process i sees GPUs
+    ``i * k .. i * k + k - 1`` (``CUDA_VISIBLE_DEVICES``). The first process to fail stops the
     others, and so does ``timeout_s``: a dead or hung peer never hangs the launch; the
     message names the process.
     """
@@ -86,6 +88,9 @@ def launch(command: Sequence[str], num_processes: int, *, cpu_devices: int | Non
             flags = [f for f in env.get("XLA_FLAGS", "").split()
                      if not f.startswith("--xla_force_host_platform_device_count")]
             env["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={cpu_devices}"])
+        if gpus_per_process is not None:
+            gpus = range(rank * gpus_per_process, (rank + 1) * gpus_per_process)
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
         processes.append(subprocess.Popen(argv, env=env, start_new_session=True))
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
@@ -137,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         "jax.distributed (jaxrec.parallel.initialize_distributed); see docs/multiprocess.md.")
     parser.add_argument("-n", "--num-processes", type=int, required=True)
     parser.add_argument("--cpu-devices", type=int, help="CPU devices per process")
+    parser.add_argument("--gpus-per-process", type=int, help="GPUs per process (CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--timeout", type=float, help="stop every process after this many seconds")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the program, e.g. python train.py")
     args = parser.parse_args(argv)
@@ -146,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                      "Python API: jaxrec launch -n N -- python your_script.py, the script calling "
                      "jaxrec.parallel.initialize_distributed() first (docs/multiprocess.md)")
     try:
-        return launch(command, args.num_processes, cpu_devices=args.cpu_devices, timeout_s=args.timeout)
+        return launch(command, args.num_processes, cpu_devices=args.cpu_devices,
+                      gpus_per_process=args.gpus_per_process, timeout_s=args.timeout)
     except ValueError as e:
         parser.error(str(e))
