@@ -102,9 +102,10 @@ def measure(work: Path) -> dict:
         "cpu_count": os.cpu_count(),
         "versions": {"jaxrec": jaxrec.__version__, "jax": jax.__version__, "jaxlib": version("jaxlib"),
                      "python": platform.python_version()},
-        "work": str(work),
         "train": {"command": _shown(train_cmd, work), "seconds": round(train_s, 1),
-                  "config": record["config"], "steps": record["steps"],
+                  "config": {k: v.replace(str(work), "WORK") if isinstance(v, str) else v
+                             for k, v in record["config"].items()},  # no paths of this machine
+                  "steps": record["steps"],
                   "train_samples_per_s": record["train_samples_per_s"], "device": record["device"],
                   "reported_test": record["final"], "checkpoint_step": run.step,
                   "checkpoint_chosen": run.chosen},
