@@ -6,7 +6,9 @@ inference layout) or fp16, with the same interface.
   (``jaxrec.ops.quantized_lookup``: CPU and CUDA kernels).
 - ``quantize_rows`` / ``dequantize_rows`` / ``quantization_error_bound``: the row format.
 - ``export(model, path, ...)`` / ``load(path)``: ``jax.export`` artifacts and weights in a
-  folder, loaded in a fresh process as ``predict(dense, kjt)``.
+  folder, loaded in a fresh process as ``predict(dense, kjt)`` (or
+  ``predict.predict_arrays(dense, lengths, values)`` from host arrays).
+- ``jaxrec export CHECKPOINT OUT``: a ``jaxrec train`` run's model as such a folder.
 
 See docs/serving.md.
 """
