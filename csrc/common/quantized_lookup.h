@@ -24,6 +24,7 @@
 
 #include "common/ffi_util.h"
 #include "common/tbe.h"
+#include "common/tbe_validate.h"
 
 namespace jaxrec {
 
@@ -63,35 +64,32 @@ inline ffi::Error ValidateQuantized(std::string_view op, const ffi::AnyBuffer& i
                                     int32_t pooling, ffi::Span<const int64_t> feature_tables,
                                     ffi::Span<const int64_t> bits, QuantizedProblem* problem) {
   const size_t num_tables = tables.size();
-  auto invalid = [&](const std::string& message) {
-    return ffi::Error::InvalidArgument(std::string(op) + ": " + message);
-  };
-  if (pooling < 0 || pooling > 2) return invalid("pooling must be 0 (SUM), 1 (MEAN) or 2 (NONE)");
+  if (pooling < 0 || pooling > 2) return Invalid(op, "pooling must be 0 (SUM), 1 (MEAN) or 2 (NONE)");
   if (!IsIndexType(indices.element_type()) || offsets.element_type() != indices.element_type()) {
-    return invalid("indices and offsets must both be int32 or both int64");
+    return Invalid(op, "indices and offsets must both be int32 or both int64");
   }
   if (indices.dimensions().size() != 1 || offsets.dimensions().size() != 1) {
-    return invalid("indices and offsets must be 1-D");
+    return Invalid(op, "indices and offsets must be 1-D");
   }
   const int64_t num_features = static_cast<int64_t>(feature_tables.size());
   if (num_features < 1 || num_features > kMaxQuantizedFeatures) {
-    return invalid("between 1 and " + std::to_string(kMaxQuantizedFeatures) + " features per call");
+    return Invalid(op, "between 1 and " + std::to_string(kMaxQuantizedFeatures) + " features per call");
   }
-  if (bits.size() != num_tables) return invalid("one precision (bits) per table operand");
+  if (bits.size() != num_tables) return Invalid(op, "one precision (bits) per table operand");
   const int64_t n = indices.dimensions()[0];
   const int64_t num_offsets = offsets.dimensions()[0];
   if (num_offsets < 1 || (num_offsets - 1) % num_features != 0) {
-    return invalid("offsets must hold F * B + 1 entries for F = " + std::to_string(num_features));
+    return Invalid(op, "offsets must hold F * B + 1 entries for F = " + std::to_string(num_features));
   }
   if (indices.element_type() == ffi::DataType::S32 && n >= (int64_t{1} << 31)) {
-    return invalid("int32 indices hold fewer than 2^31 ids");
+    return Invalid(op, "int32 indices hold fewer than 2^31 ids");
   }
   const bool weighted = per_sample_weights.element_count() > 0;
   if (per_sample_weights.element_type() != ffi::DataType::F32 ||
       (weighted && static_cast<int64_t>(per_sample_weights.element_count()) != n)) {
-    return invalid("per_sample_weights must be float32 [N] or [0]");
+    return Invalid(op, "per_sample_weights must be float32 [N] or [0]");
   }
-  if (!IsFloatType(out.element_type())) return invalid("the output must be float32, float16 or bfloat16");
+  if (!IsFloatType(out.element_type())) return Invalid(op, "the output must be float32, float16 or bfloat16");
   problem->num_features = static_cast<int32_t>(num_features);
   problem->batch_size = (num_offsets - 1) / num_features;
   problem->num_indices = n;
@@ -101,9 +99,9 @@ inline ffi::Error ValidateQuantized(std::string_view op, const ffi::AnyBuffer& i
   for (int64_t f = 0; f < num_features; ++f) {
     const int64_t t = feature_tables[f];
     if (t < 0 || t >= static_cast<int64_t>(num_tables))
-      return invalid("feature_tables names no table operand");
+      return Invalid(op, "feature_tables names no table operand");
     const auto found = tables.get<ffi::AnyBuffer>(t);
-    if (found.has_error()) return invalid("table operand " + std::to_string(t) + " is no buffer");
+    if (found.has_error()) return Invalid(op, "table operand " + std::to_string(t) + " is no buffer");
     const ffi::AnyBuffer table = found.value();
     const int64_t b = bits[t];
     const ffi::DataType expected = b == 32   ? ffi::DataType::F32
@@ -111,17 +109,17 @@ inline ffi::Error ValidateQuantized(std::string_view op, const ffi::AnyBuffer& i
                                              : ffi::DataType::U8;
     if ((b != 32 && b != 16 && b != 8 && b != 4) || table.element_type() != expected ||
         table.dimensions().size() != 2) {
-      return invalid("table " + std::to_string(t) +
-                     " must be float32 (bits 32), float16 (16) or uint8 (8, 4) "
-                     "[rows, row width], got " +
-                     DtypeName(table.element_type()) + " for bits " + std::to_string(b));
+      return Invalid(op, "table " + std::to_string(t) +
+                             " must be float32 (bits 32), float16 (16) or uint8 (8, 4) "
+                             "[rows, row width], got " +
+                             DtypeName(table.element_type()) + " for bits " + std::to_string(b));
     }
     const int64_t rows = table.dimensions()[0], width = table.dimensions()[1];
     const int64_t row_bytes = b >= 16 ? width * (b / 8) : width;
     const int64_t dim = b >= 16 ? width : (width - 4) * 8 / b;
     if (dim < 1 || row_bytes % 4 != 0 || row_bytes >= (int64_t{1} << 31) || (b < 16 && width <= 4)) {
-      return invalid("table " + std::to_string(t) +
-                     "'s rows must be whole 32-bit words with at least one column");
+      return Invalid(
+          op, "table " + std::to_string(t) + "'s rows must be whole 32-bit words with at least one column");
     }
     QuantizedFeature& feature = problem->features[f];
     feature.table = static_cast<const uint8_t*>(table.untyped_data());
@@ -136,16 +134,17 @@ inline ffi::Error ValidateQuantized(std::string_view op, const ffi::AnyBuffer& i
   const auto& dims = out.dimensions();
   if (problem->pooling == PoolingMode::kNone) {
     for (int64_t f = 1; f < num_features; ++f) {
-      if (problem->features[f].dim != problem->features[0].dim) return invalid("NONE pooling needs one dim");
+      if (problem->features[f].dim != problem->features[0].dim)
+        return Invalid(op, "NONE pooling needs one dim");
     }
     problem->total_dim = problem->features[0].dim;
     if (dims.size() != 2 || dims[0] != n || dims[1] != problem->total_dim) {
-      return invalid("the output must be [N, dim] for NONE pooling");
+      return Invalid(op, "the output must be [N, dim] for NONE pooling");
     }
   } else {
     problem->total_dim = column;
     if (dims.size() != 2 || dims[0] != problem->batch_size || dims[1] != column) {
-      return invalid("the output must be [B, sum of the features' dims]");
+      return Invalid(op, "the output must be [B, sum of the features' dims]");
     }
   }
   return ffi::Error::Success();

@@ -27,7 +27,13 @@ from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
-from jaxrec.ops.tbe_kjt import bag_offsets, check_variable_batch, expand_variable_batch
+from jaxrec.ops.tbe_kjt import (
+    bag_offsets,
+    check_variable_batch,
+    expand_variable_batch,
+    features_in_order,
+    require_features,
+)
 from jaxrec.optim import OptimizerConfig, init_state
 from jaxrec.sparse import KeyedJaggedTensor
 
@@ -154,18 +160,8 @@ class GroupedTables(TableCollection):
         """One KJT per group, holding that group's features in its layout's order."""
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        keys = list(features.keys())
-        index = {k: i for i, k in enumerate(keys)}
-        missing = [f for f in self.feature_names if f not in index]
-        if missing:
-            raise ValueError(f"the KeyedJaggedTensor lacks the features {missing} of "
-                             f"{type(self).__name__} {self.name!r}; its keys are {keys}. Each "
-                             "table's feature_names must be keys of the input")
-        out = []
-        for g in self.groups:
-            order = [index[f] for f in g.feature_names]
-            out.append(features if order == list(range(len(keys))) else features.permute(order))
-        return out
+        require_features(features, self.feature_names, f"{type(self).__name__} {self.name!r}")
+        return [features_in_order(features, g.feature_names) for g in self.groups]
 
     def lookup(self, i: int, features: KeyedJaggedTensor, pooling: PoolingMode) -> jax.Array:
         """Group ``i``'s lookup: ``[B, total_dim]`` pooled, or ``[capacity, dim]`` for NONE.

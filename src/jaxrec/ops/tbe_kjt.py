@@ -60,6 +60,23 @@ def embedding_bag_lookup_kjt(
     return split_sequence_embeddings(out, features)
 
 
+def require_features(features: KeyedJaggedTensor, names, owner: str) -> None:
+    """Raises a ValueError naming ``owner`` and the features of ``names`` the KJT lacks."""
+    keys = list(features.keys())
+    missing = [f for f in names if f not in keys]
+    if missing:
+        raise ValueError(f"the KeyedJaggedTensor lacks the features {missing} of {owner}; its keys are "
+                         f"{keys}. Each table's feature_names must be keys of the input")
+
+
+def features_in_order(features: KeyedJaggedTensor, names) -> KeyedJaggedTensor:
+    """The KJT of ``names`` in that order (``features`` itself when it already is); it must
+    hold them (``require_features``)."""
+    keys = list(features.keys())
+    order = [keys.index(f) for f in names]
+    return features if order == list(range(len(keys))) else features.permute(order)
+
+
 def check_variable_batch(features: KeyedJaggedTensor, pooling, who: str) -> None:
     """A variable-batch KJT needs pooling and its inverse indices (the full batch's samples)."""
     if not features.variable_stride_per_key():

@@ -39,6 +39,7 @@ from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
 from jaxrec.ops.bounds_check import as_bounds_check_mode
+from jaxrec.ops.tbe_kjt import features_in_order, require_features
 from jaxrec.optim import SGD, Adagrad, Adam, OptimizerConfig
 from jaxrec.parallel import _dist, _row_return
 from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout
@@ -299,14 +300,8 @@ class ShardedEmbeddingBagCollection(TableCollection):
 
     def _prepare(self, features: KeyedJaggedTensor):
         """This device's ids of the collection's features, in its order, bounds-checked."""
-        keys = list(features.keys())
-        index = {k: i for i, k in enumerate(keys)}
-        missing = [f for f in self.layout.features if f not in index]
-        if missing:
-            raise ValueError(f"the KeyedJaggedTensor lacks the features {missing} of "
-                             f"collection {self.name!r}; its keys are {keys}")
-        order = [index[f] for f in self.layout.features]
-        kjt = features if order == list(range(len(keys))) else features.permute(order)
+        require_features(features, self.layout.features, f"collection {self.name!r}")
+        kjt = features_in_order(features, self.layout.features)
         values = kjt.values()
         offsets = kjt.offsets().astype(values.dtype)
         weights = kjt.weights_or_none()

@@ -32,6 +32,7 @@ from jaxrec.nn import EmbeddingBagCollection
 from jaxrec.ops import PoolingMode
 from jaxrec.ops.quantized_lookup import PRECISION_BITS, quantized_lookup
 from jaxrec.ops.quantized_rows import quantize_rows
+from jaxrec.ops.tbe_kjt import features_in_order, require_features
 from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 PRECISIONS = tuple(PRECISION_BITS)
@@ -74,17 +75,12 @@ class QuantizedEmbeddingBagCollection(nnx.Module):
         if features.inverse_indices_or_none() is not None:
             raise ValueError("a quantized collection takes a plain KJT; expand a variable-batch "
                              "KJT (inverse_indices) first")
-        keys = list(features.keys())
-        index = {k: i for i, k in enumerate(keys)}
-        missing = [f for f in self.feature_names if f not in index]
-        if missing:
-            raise ValueError(f"the KeyedJaggedTensor lacks the features {missing}; its keys are {keys}")
+        require_features(features, self.feature_names, type(self).__name__)
         columns = {}
         for pooling in dict.fromkeys(PoolingMode(t.pooling) for t in self.configs):
             group = [t for t in self.configs if PoolingMode(t.pooling) == pooling]
             names = [f for t in group for f in t.feature_names]
-            order = [index[f] for f in names]
-            kjt = features if order == list(range(len(keys))) else features.permute(order)
+            kjt = features_in_order(features, names)
             values = kjt.values()
             pooled = quantized_lookup(
                 [self.tables[t.name][...] for t in group], [self.precisions[t.name] for t in group],
