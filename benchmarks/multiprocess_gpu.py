@@ -7,10 +7,12 @@ steps, their losses and step times.
 Runs ``--role one`` (one process, a mesh of 2 GPUs) and then ``jaxrec.parallel.launch`` of 2
 processes with ``--role two`` (one GPU each, joined by ``initialize_distributed``), each
 training the same DLRM (26 tables of 100,000 rows, D=64, half TABLE_WISE and half ROW_WISE
-over the 2 devices, fused rowwise Adagrad, dense Adam; 2,048 samples per device, one id per
-bag) for ``--steps`` steps on the same batches, each process feeding its own rows
-(``shard_batch(process_local=True)``). A step's time: ``--steps - 10`` back-to-back steps
-after 10 of warm-up, divided by their count (process 0's clock).
+over the 2 devices, fused rowwise Adagrad, dense Adam; one id per bag) for ``--steps``
+steps on the same batches, each process feeding its own rows
+(``shard_batch(process_local=True)``), at each ``--batch-per-device`` (a fresh model for
+each). A step's time: ``--steps - 10`` back-to-back steps after 10 of warm-up, divided by
+their count (process 0's clock). Small batches measure how fast a process issues steps
+(one process issues both GPUs' work), large ones the GPUs.
 """
 
 from __future__ import annotations
@@ -27,26 +29,40 @@ ROLE = sys.argv[sys.argv.index("--role") + 1] if "--role" in sys.argv else None
 if "--cpu" in sys.argv and ROLE == "one":  # before JAX starts
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
 
-TABLES, ROWS, DIM, BATCH, DENSE = 26, 100_000, 64, 2048, 13
+TABLES, ROWS, DIM, DENSE = 26, 100_000, 64, 13
+BATCHES = (2048, 16384, 65536)  # samples per device
 
 
-def run(role: str, steps: int, out: str) -> None:
+def run(role: str, steps: int, sizes: list[int], out: str) -> None:
     import jaxrec.parallel as par
 
     if role == "two":
         par.initialize_distributed(timeout_s=120)
     import jax
+
+    devices = jax.devices()[:2]
+    mesh = jax.make_mesh((2,), ("data",), devices=devices)
+    results = {}
+    for batch in sizes:
+        results[batch] = one_size(mesh, steps, batch)
+    if jax.process_index() == 0:
+        with open(out, "w") as f:
+            json.dump({"role": role, "processes": jax.process_count(), "devices": [str(d) for d in devices],
+                       "device_kind": devices[0].device_kind, "per_batch": results}, f)
+
+
+def one_size(mesh, steps: int, batch: int) -> dict:
+    import jax
     import numpy as np
     import optax
     from flax import nnx
 
+    import jaxrec.parallel as par
     from jaxrec.models import DLRM
     from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
     from jaxrec.optim import RowWiseAdagrad
     from jaxrec.sparse import KeyedJaggedTensor
 
-    devices = jax.devices()[:2]
-    mesh = jax.make_mesh((2,), ("data",), devices=devices)
     tables = [EmbeddingBagConfig(name=f"t{i}", num_embeddings=ROWS, embedding_dim=DIM, feature_names=[f"f{i}"])
               for i in range(TABLES)]
     ebc = EmbeddingBagCollection(tables, optimizer=RowWiseAdagrad(learning_rate=0.05), rngs=nnx.Rngs(0))
@@ -65,10 +81,10 @@ def run(role: str, steps: int, out: str) -> None:
 
     def local_batch(i):  # this process's rows of global batch i (the same in every process)
         rng = np.random.default_rng(i)
-        dense = rng.normal(size=(2 * BATCH, DENSE)).astype(np.float32)
-        ids = rng.integers(0, ROWS, (TABLES, 2 * BATCH))
-        labels = (rng.random(2 * BATCH) < 0.3).astype(np.float32)
-        rows = np.concatenate([np.arange(k * BATCH, (k + 1) * BATCH) for k in mine])
+        dense = rng.normal(size=(2 * batch, DENSE)).astype(np.float32)
+        ids = rng.integers(0, ROWS, (TABLES, 2 * batch))
+        labels = (rng.random(2 * batch) < 0.3).astype(np.float32)
+        rows = np.concatenate([np.arange(k * batch, (k + 1) * batch) for k in mine])
         kjt = KeyedJaggedTensor.from_lengths_sync([f"f{i}" for i in range(TABLES)], ids[:, rows].reshape(-1),
                                                   np.ones(TABLES * len(rows), np.int32))
         return {"dense": dense[rows], "sparse": kjt, "labels": labels[rows]}
@@ -80,10 +96,7 @@ def run(role: str, steps: int, out: str) -> None:
     jax.block_until_ready(timed)
     seconds = (time.perf_counter() - start) / (steps - 10)
     losses += [float(x) for x in timed]
-    if jax.process_index() == 0:
-        with open(out, "w") as f:
-            json.dump({"role": role, "processes": jax.process_count(), "devices": [str(d) for d in devices],
-                       "device_kind": devices[0].device_kind, "step_ms": seconds * 1e3, "losses": losses}, f)
+    return {"step_ms": seconds * 1e3, "losses": losses}
 
 
 def main(argv=None) -> int:
@@ -91,11 +104,12 @@ def main(argv=None) -> int:
     parser.add_argument("--out")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--cpu", action="store_true")
+    parser.add_argument("--batch-per-device", type=int, nargs="+", default=list(BATCHES))
     parser.add_argument("--role", choices=("one", "two"))
     parser.add_argument("--result")
     args = parser.parse_args(argv)
     if args.role:
-        run(args.role, args.steps, args.result)
+        run(args.role, args.steps, args.batch_per_device, args.result)
         return 0
     import jax
     import numpy as np
@@ -105,7 +119,8 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         one, two = os.path.join(tmp, "one.json"), os.path.join(tmp, "two.json")
-        common = [*(["--cpu"] if args.cpu else []), "--steps", str(args.steps)]
+        common = [*(["--cpu"] if args.cpu else []), "--steps", str(args.steps),
+                  "--batch-per-device", *map(str, args.batch_per_device)]
         subprocess.run([sys.executable, __file__, "--role", "one", "--result", one, *common], check=True)
         code = par.launch(["python", __file__, "--role", "two", "--result", two, *common], 2,
                           cpu_devices=1 if args.cpu else None, gpus_per_process=None if args.cpu else 1,
@@ -113,14 +128,22 @@ def main(argv=None) -> int:
         if code:
             return code
         one, two = (json.load(open(p)) for p in (one, two))
-    diff = float(np.max(np.abs(np.asarray(one["losses"]) - np.asarray(two["losses"]))))
+    per_batch = {}
+    for batch in args.batch_per_device:
+        a, b = one["per_batch"][str(batch)], two["per_batch"][str(batch)]
+        losses_a, losses_b = np.asarray(a["losses"]), np.asarray(b["losses"])
+        per_batch[batch] = {
+            "one_process_two_devices_ms": a["step_ms"], "two_processes_one_device_each_ms": b["step_ms"],
+            "step_time_ratio_two_over_one": b["step_ms"] / a["step_ms"],
+            "max_relative_loss_difference_first_10": float(np.max(np.abs(losses_b - losses_a)[:10] / losses_a[:10])),
+            "max_relative_loss_difference": float(np.max(np.abs(losses_b - losses_a) / losses_a)),
+            "losses_one": a["losses"], "losses_two": b["losses"]}
+        print(f"{batch} per device: 1 x 2 {a['step_ms']:.3f} ms/step, 2 x 1 {b['step_ms']:.3f} ms/step "
+              f"(x{b['step_ms'] / a['step_ms']:.3f}); losses differ by at most "
+              f"{per_batch[batch]['max_relative_loss_difference']:.1e} (relative)")
     result = {"benchmark": "multiprocess_gpu", "date": time.strftime("%Y-%m-%d"), "device": one["device_kind"],
               "jax": jax.__version__, "jaxrec": jaxrec.__version__, "jaxrec_build": jaxrec.build_info(),
-              "shape": dict(tables=TABLES, rows=ROWS, dim=DIM, batch_per_device=BATCH, steps=args.steps),
-              "one_process_two_devices": one, "two_processes_one_device_each": two,
-              "max_abs_loss_difference": diff, "step_time_ratio_two_over_one": two["step_ms"] / one["step_ms"]}
-    print(f"1 x 2: {one['step_ms']:.3f} ms/step, 2 x 1: {two['step_ms']:.3f} ms/step "
-          f"(x{result['step_time_ratio_two_over_one']:.3f}); losses differ by at most {diff:.2e}")
+              "shape": dict(tables=TABLES, rows=ROWS, dim=DIM, steps=args.steps), "per_batch": per_batch}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)

@@ -32,8 +32,11 @@ Integrity:
   replace good checkpoints) unless ``allow_nonfinite=True``.
 - ``CheckpointLock(directory)`` gives one process the directory for a run; a second one
   is refused with ``CheckpointLockedError``.
-- Arrays that span several processes are not checksummed (single-process checkpoints are
-  fully verified).
+- Arrays that span several processes (docs/multiprocess.md) are checked by a digest that
+  the devices compute where the shards live (``_global_digest``: two wrapping uint32 sums
+  of the array's words, weighted by their position, so any change of one word is seen
+  whatever the sharding), not by SHA-256: that would gather every array to one host. A
+  restore checks each leaf by what its save wrote, on any number of processes.
 
 Resuming a training run::
 
@@ -69,8 +72,10 @@ import sys
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 __all__ = ["CheckpointCorruptError", "CheckpointLock", "CheckpointLockedError",
            "NonFiniteStateError", "RestoredMetadata", "all_steps", "latest_step", "read_metadata",
@@ -326,20 +331,52 @@ def _seal(manifest: dict) -> dict:
     return {**manifest, "sha256": _json_sha(manifest)}
 
 
-def _array_sha(array) -> str | None:
-    """SHA-256 of an array's bytes (C order); None for an array spanning several processes."""
-    if isinstance(array, jax.Array) and not array.is_fully_addressable:
-        return None
+def _spans_processes(array) -> bool:
+    return isinstance(array, jax.Array) and not array.is_fully_addressable
+
+
+def _array_sha(array) -> str:
+    """SHA-256 of an array's bytes (C order); an array spanning several processes is
+    gathered to every process first (restores only: saves digest such arrays)."""
+    if _spans_processes(array):
+        array = multihost_utils.process_allgather(array, tiled=True)
     host = np.ascontiguousarray(np.asarray(array))
     return hashlib.sha256(host.reshape(-1).view(np.uint8)).hexdigest()
 
 
+def _global_digest(array) -> str:
+    """The digest of an array that spans several processes (module doc), computed on its
+    devices: the same for any sharding, so a restore on another mesh checks it too."""
+    return "-".join(f"{int(x):08x}" for x in np.asarray(_digest_words(array)))
+
+
+@jax.jit
+def _digest_words(array):
+    if array.dtype == jnp.bool_:
+        array = array.astype(jnp.uint8)
+    width = array.dtype.itemsize
+    if width in (1, 2):
+        words = jax.lax.bitcast_convert_type(array, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
+    else:  # 4 bytes: one word; 8 bytes: two
+        words = jax.lax.bitcast_convert_type(array, jnp.uint32)
+    words = words.reshape(-1)
+    position = jnp.arange(words.shape[0], dtype=jnp.uint32)
+    # uint32 sums wrap: exact and independent of the order XLA adds the shards in. An odd
+    # weight is invertible mod 2**32, so any change of a single word changes the first sum.
+    first = jnp.sum(words * (2 * position + 1), dtype=jnp.uint32)
+    second = jnp.sum((words ^ (position * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B),
+                     dtype=jnp.uint32)
+    return jnp.stack([first, second])
+
+
 def _nonfinite(key: str, array) -> str | None:
     """``"key (n of size values NaN/Inf)"`` when a floating array is not all finite."""
-    if not jax.dtypes.issubdtype(array.dtype, np.inexact) or (
-            isinstance(array, jax.Array) and not array.is_fully_addressable):
+    if not jax.dtypes.issubdtype(array.dtype, np.inexact):
         return None
-    bad = int(np.size(array) - np.count_nonzero(np.isfinite(np.asarray(array))))
+    if _spans_processes(array):
+        bad = int(jax.jit(lambda x: jnp.sum(~jnp.isfinite(x)))(array))
+    else:
+        bad = int(np.size(array) - np.count_nonzero(np.isfinite(np.asarray(array))))
     return f"{key or '<root>'} ({bad} of {np.size(array)} values NaN/Inf)" if bad else None
 
 
@@ -365,7 +402,10 @@ def _flatten(state, *, allow_nonfinite: bool) -> tuple[dict, dict]:
             leaf = jax.random.key_data(leaf)
         elif not allow_nonfinite and (bad := _nonfinite(key, leaf)):
             nonfinite.append(bad)
-        entry["sha256"] = _array_sha(leaf)
+        if _spans_processes(leaf):
+            entry["digest"] = _global_digest(leaf)
+        else:
+            entry["sha256"] = _array_sha(leaf)
         arrays[name] = leaf
         manifest[key] = entry
     if not arrays:
@@ -426,7 +466,8 @@ def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, 
         key = jax.tree_util.keystr(p)
         entry = leaves_manifest[key]
         array = arrays[entry["name"]]
-        if verify and entry.get("sha256") and _array_sha(array) != entry["sha256"]:
+        if verify and (entry.get("sha256") and _array_sha(array) != entry["sha256"]
+                       or entry.get("digest") and _global_digest(array) != entry["digest"]):
             raise _corrupt(path, step, f"leaf {key or '<root>'} (stored as {entry['name']} in "
                                        f"{where / 'state'}) does not match its checksum")
         if "key_impl" in entry:

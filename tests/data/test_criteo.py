@@ -8,6 +8,7 @@ A fixture line (TAB-separated, 40 fields; the last line has no newline)::
 import gzip
 import math
 import random
+import re
 from pathlib import Path
 
 import jax
@@ -393,3 +394,65 @@ def test_real_criteo_sample(missing):
     empty = sum(1 for _, _, cats in ref for c in cats if not c)
     assert empty > 0
     assert num_ids == 100 * 26 - (empty if missing == "empty" else 0)
+
+
+# --- shares per process (shard=) --------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 3, 7])
+def test_the_shares_of_a_split_read_every_row_once(tmp_path, n):
+    # Plain files split by bytes (a blank line, CRLF, no final newline); .gz files whole.
+    rows = make_rows(40, seed=5)
+    a = write_tsv(tmp_path / "day_0", rows[:25], final_newline=True)
+    b = tmp_path / "day_1"
+    b.write_bytes(("\r\n".join("\t".join(r) for r in rows[25:33]) + "\r\n\r\n"
+                   + "\t".join(rows[33])).encode())
+    kwargs = dict(batch_size=3, num_embeddings_per_feature=SIZES)
+
+    def rows_of(paths, shard=(0, 1)):
+        return [np.concatenate(x) for x in zip(*CriteoReader(paths, **kwargs, shard=shard).iter_rows())]
+
+    def sorted_rows(parts):  # every row as bytes: the rows as a multiset
+        return sorted(b"".join(np.ascontiguousarray(x[i]).tobytes() for x in parts)
+                      for i in range(len(parts[0])))
+
+    for paths in ([a, b], [gzip_copy(a, tmp_path), gzip_copy(b, tmp_path)] * n):
+        whole = rows_of(paths)
+        shares = [rows_of(paths, (k, n)) for k in range(n)]
+        together = [np.concatenate([s[j] for s in shares]) for j in range(3)]
+        assert sorted_rows(together) == sorted_rows(whole)  # every row in exactly one share
+        if paths[0].suffix != ".gz":  # split by bytes: shares of about equal size
+            sizes = [len(s[0]) for s in shares]
+            assert max(sizes) - min(sizes) <= 2 * 3, sizes
+
+
+def gzip_copy(path, tmp_path):
+    target = tmp_path / f"{path.name}.gz"
+    with gzip.open(target, "wb") as f:
+        f.write(path.read_bytes())
+    return target
+
+
+def test_an_error_in_a_later_share_names_the_line_of_the_file(tmp_path):
+    rows = make_rows(30)
+    rows[23][20] = "xyz"
+    path = write_tsv(tmp_path / "b.tsv", rows)
+    errors = []
+    for k in range(3):
+        try:
+            list(CriteoReader(path, batch_size=4, num_embeddings_per_feature=SIZES, shard=(k, 3)))
+        except DataFormatError as e:
+            errors.append((k, str(e)))
+    assert len(errors) == 1 and errors[0][0] == 2, errors
+    assert re.search(r"b.tsv, line 24, field C7: 'xyz' is not a hex", errors[0][1])
+
+
+def test_shares_that_cannot_be_made_are_refused_clearly(tmp_path):
+    a = write_tsv(tmp_path / "a.tsv", make_rows(2))
+    with pytest.raises(DataFormatError, match=r"part 1 of 6 .* holds no rows; .* fewer processes"):
+        for k in range(6):  # 2 lines for 6 parts: part 1 has none
+            list(CriteoReader(a, batch_size=1, num_embeddings_per_feature=5, shard=(k, 6)))
+    z = gzip_copy(a, tmp_path)
+    with pytest.raises(ValueError, match=r"1 .gz files cannot be split over 2 processes"):
+        CriteoReader(z, batch_size=1, num_embeddings_per_feature=5, shard=(0, 2))
+    with pytest.raises(ValueError, match=r"shard must be \(k, n\)"):
+        CriteoReader(a, batch_size=1, num_embeddings_per_feature=5, shard=(2, 2))

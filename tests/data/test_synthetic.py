@@ -170,3 +170,19 @@ def test_argument_errors():
     with pytest.raises(ValueError, match=r"seed must be a non-negative int"):
         SyntheticClickLog(seed=-1)
     assert math.isfinite(SyntheticClickLog(max_rows=10).teacher_auc(2000))
+
+
+def test_the_parts_of_a_batch_are_drawn_apart_and_regenerate():
+    log = SyntheticClickLog(max_rows=500, seed=7)
+    parts = [[batch_arrays(b) for b in log.batches(64, 2, start=5, shard=(k, 4))] for k in range(4)]
+    for k in range(4):
+        assert parts[k][0][0].shape == (16, 13) and parts[k][0][3].shape == (16,)
+        again = batch_arrays(next(log.batches(64, start=6, shard=(k, 4))))
+        for u, v in zip(again, parts[k][1]):  # part k of batch 6, on its own
+            np.testing.assert_array_equal(u, v)
+    dense = np.concatenate([p[0][0] for p in parts])
+    assert len(np.unique(dense, axis=0)) == 64  # four different draws, not one repeated
+    with pytest.raises(ValueError, match=r"batch_size=66 does not split into the 4 parts"):
+        next(log.batches(66, shard=(0, 4)))
+    with pytest.raises(ValueError, match=r"shard must be \(k, n\)"):
+        next(log.batches(64, shard=(4, 4)))

@@ -6,6 +6,8 @@ state, and with ``--save`` every process writes its shards of a checkpoint.
 
     jaxrec launch -n 2 --cpu-devices 4 -- python multiprocess_train.py OUT.npz [--save DIR]
     (or --fail-rank R, --hang-rank R: a peer that dies, or never joins)
+    jaxrec launch -n 4 --cpu-devices 2 -- python multiprocess_train.py OUT.npz --restore DIR
+    (the model of the same plan on the 4 processes' 8 devices, restored from DIR)
 
 ``train()`` is also what the test runs in its own process on 8 devices, to compare.
 """
@@ -25,7 +27,6 @@ def train(save: str | None = None) -> dict[str, np.ndarray]:
     import jax
     import optax
     from flax import nnx
-    from jax.experimental import multihost_utils
     from parallel_testing import B, build, mesh, plan, random_batch, squared_error
 
     import jaxrec.parallel as par
@@ -44,17 +45,38 @@ def train(save: str | None = None) -> dict[str, np.ndarray]:
         local = slice_rows(random_batch(i, weighted=True), rank, count)
         losses.append(float(step(model, optimizer, par.shard_batch(local, mesh(), process_local=True))))
 
-    def gathered(x):  # a global array spans other processes' devices: gather it to every process
-        if isinstance(x, jax.Array) and not x.is_fully_addressable:
-            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-        return np.asarray(x)
-
     if save:  # every process writes its shards of the state (orbax), process 0 the manifest
         from jaxrec.checkpoint import save_checkpoint
 
         save_checkpoint(save, STEPS, nnx.state(model), metadata={"processes": count})
-    state = [gathered(x) for x in jax.tree.leaves(nnx.state(model))]
-    return {"losses": np.asarray(losses), **{f"a{k}": x for k, x in enumerate(state)}}
+    return {"losses": np.asarray(losses), **gathered(nnx.state(model))}
+
+
+def restore(directory: str) -> dict[str, np.ndarray]:
+    """The model of ``train`` restored from ``directory`` on this run's devices."""
+    from flax import nnx
+    from parallel_testing import build, mesh, plan
+
+    import jaxrec.parallel as par
+    from jaxrec.checkpoint import restore_checkpoint
+    from jaxrec.optim import Adam
+
+    target = nnx.state(par.shard(build(Adam(learning_rate=0.05)), plan("mixed"), mesh()))
+    state, _ = restore_checkpoint(directory, target)
+    return gathered(state)
+
+
+def gathered(state) -> dict[str, np.ndarray]:
+    """Every leaf whole in this process (a global array spans other processes' devices)."""
+    import jax
+    from jax.experimental import multihost_utils
+
+    def whole(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+        return np.asarray(x)
+
+    return {f"a{k}": whole(x) for k, x in enumerate(jax.tree.leaves(state))}
 
 
 if __name__ == "__main__":
@@ -66,7 +88,10 @@ if __name__ == "__main__":
     import jaxrec.parallel as par
 
     par.initialize_distributed(timeout_s=60)  # before any computation
-    result = train(save=sys.argv[3] if sys.argv[2:3] == ["--save"] else None)
+    if sys.argv[2:3] == ["--restore"]:
+        result = restore(sys.argv[3])
+    else:
+        result = train(save=sys.argv[3] if sys.argv[2:3] == ["--save"] else None)
     import jax
 
     if jax.process_index() == 0:

@@ -34,14 +34,17 @@ def test_default_command_learns_and_writes_its_outputs(tmp_path, capsys):
     assert "test auc" in capsys.readouterr().out
 
 
-def model_state(config, directory, step):
+def fresh_state(config):
+    """A new run's state, in the form its checkpoints hold."""
     from jaxrec.train._loop import DENSE_OPTIMIZERS, checkpoint_state
 
     task = build_task(config)
     tx = DENSE_OPTIMIZERS[config.dense_optimizer](config.dense_learning_rate)
-    target = checkpoint_state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
-    state, meta = restore_checkpoint(directory, target, step=step)
-    return state, meta
+    return checkpoint_state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
+
+
+def model_state(config, directory, step):
+    return restore_checkpoint(directory, fresh_state(config), step=step)
 
 
 # Also what test_checkpoint_restores_the_model_bit_exactly checked (the first run's
@@ -59,9 +62,9 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, table_optimizer, mod
                         out_dir=str(tmp_path / "out_b"))
     train(first)
     state, meta = model_state(first, tmp_path / "b", 4)
-    fresh = build_task(first).model
+    fresh = fresh_state(first)
     changed = [not np.array_equal(np.asarray(x), np.asarray(y))
-               for x, y in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(nnx.state(fresh)))]
+               for x, y in zip(jax.tree.leaves(state["model"]), jax.tree.leaves(fresh["model"]))]
     assert any(changed)  # the checkpoint holds the trained state, not the initial one
     assert meta["step"] == 4 and len(meta["history"]["eval"]) == 1
     resumed = TrainConfig(**common, steps=8, checkpoint_dir=str(tmp_path / "b"), resume=True,

@@ -66,7 +66,7 @@ def stored_model_rmse(conf: TrainConfig, step: int) -> float:
     optimizer = nnx.Optimizer(task.model, _loop.DENSE_OPTIMIZERS[conf.dense_optimizer](1.0), wrt=nnx.Param)
     state, _ = restore_checkpoint(conf.checkpoint_dir, _loop.checkpoint_state(task.model, optimizer),
                                   step=step)
-    nnx.update(task.model, state["model"])
+    _loop.load_checkpoint_state(task.model, state)
     return task.evaluate(nnx.jit(task.predict), task.test_batches)["rmse"]
 
 

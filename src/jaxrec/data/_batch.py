@@ -96,6 +96,17 @@ def check_batch_size(value: object, name: str = "batch_size") -> int:
     return int(value)
 
 
+def check_shard(shard: object) -> tuple[int, int]:
+    """``(k, n)``: part ``k`` of ``n`` (a process's share of the data), ``0 <= k < n``."""
+    ok = (isinstance(shard, tuple) and len(shard) == 2
+          and all(isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in shard)
+          and 0 <= shard[0] < shard[1])
+    if not ok:
+        raise ValueError(f"shard must be (k, n), part k of n with 0 <= k < n (e.g. "
+                         f"(jax.process_index(), jax.process_count())), got {shard!r}.")
+    return int(shard[0]), int(shard[1])
+
+
 def check_last_batch(last_batch: object) -> str:
     if last_batch not in LAST_BATCH_POLICIES:
         raise ValueError(

@@ -56,6 +56,7 @@ from jaxrec.data._batch import (
     check_batch_size,
     check_data_file,
     check_last_batch,
+    check_shard,
     check_table_sizes,
     rebatch,
 )
@@ -108,6 +109,41 @@ def _read_lines(f, path: Path, count: int) -> list[bytes]:
         ) from None
 
 
+def _byte_share(path: Path, k: int, n: int) -> tuple[int, int | None]:
+    """Bytes ``[start, end)`` of part ``k`` of ``n`` of a plain file; ``end`` None: all."""
+    if n == 1:
+        return 0, None
+    size = path.stat().st_size
+    return size * k // n, size * (k + 1) // n
+
+
+def _lines_between(f, start: int, end: int) -> Iterator[bytes]:
+    """The lines of binary file ``f`` that begin in bytes ``[start, end)``: every line is
+    in exactly one part of a split by bytes."""
+    position = start
+    if start:
+        f.seek(start - 1)
+        position = start - 1 + len(f.readline())  # the rest of the line begun before start
+    while position < end:
+        line = f.readline()
+        if not line:
+            return
+        position += len(line)
+        yield line
+
+
+def _lines_before(path: Path, start: int) -> int:
+    """Lines of a plain file before the first that begins at or after byte ``start``."""
+    count, read, last = 0, 0, b"\n"
+    with open(path, "rb") as f:
+        while read < start:
+            block = f.read(min(1 << 20, start - read))
+            if not block:
+                break
+            count, read, last = count + block.count(b"\n"), read + len(block), block[-1:]
+    return count + (last != b"\n")  # the line begun before start, ended inside the share
+
+
 def _check_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[Path, ...]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -137,6 +173,10 @@ class CriteoReader:
         length 0).
       last_batch: ``"pad"`` (pad with mask 0) or ``"drop"`` a partial last batch.
       read_chunk_rows: lines read and parsed at a time.
+      shard: ``(k, n)``: read only part ``k`` of ``n`` (one of ``n`` processes,
+        docs/multiprocess.md): of each plain file, the lines that begin in its ``k``-th
+        ``n``-th of bytes; of ``.gz`` files (no seeking), files ``k, k + n, ...`` (at least
+        ``n`` files). Error messages still give the line numbers of the file.
 
     Raises ``DataFormatError`` (a ``ValueError``) naming the file, line and field of a
     malformed line, or the file with no rows or a damaged ``.gz``; ``FileNotFoundError``
@@ -156,8 +196,17 @@ class CriteoReader:
         missing_category: str = "zero",
         last_batch: str = "pad",
         read_chunk_rows: int = 16384,
+        shard: tuple[int, int] = (0, 1),
     ):
         self.paths = _check_paths(paths)
+        self.shard = check_shard(shard)
+        gz = [p for p in self.paths if p.suffix == ".gz"]
+        if self.shard[1] > 1 and gz and len(self.paths) < self.shard[1]:
+            raise ValueError(
+                f"{_names(self.paths)}: {len(self.paths)} .gz files cannot be split over "
+                f"{self.shard[1]} processes (a .gz file is read whole, by one process); pass at "
+                "least one file per process, or the files unpacked (plain files split by bytes)."
+            )
         self.batch_size = check_batch_size(batch_size)
         self.table_sizes = check_table_sizes(
             num_embeddings_per_feature, CRITEO_NUM_SPARSE, "num_embeddings_per_feature"
@@ -203,26 +252,54 @@ class CriteoReader:
     def iter_rows(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Chunks of parsed rows on the host, before batching: ``(labels float32[n],
         dense float32[n, 13], ids int64[n, 26])``, ids already hashed (-1 = empty bag).
-        A file with no rows is a ``DataFormatError``."""
+        A file with no rows is a ``DataFormatError`` (with ``shard``: a share with none)."""
         table_sizes = np.asarray(self.table_sizes, np.uint64)
-        for path in self.paths:
+        k, n = self.shard
+        if n > 1 and any(p.suffix == ".gz" for p in self.paths):
+            pieces = [(path, 0, None) for path in self.paths[k::n]]
+        else:
+            pieces = [(path, *_byte_share(path, k, n)) for path in self.paths]
+        rows_in_share = 0
+        for path, start, end in pieces:
             num_rows = 0
             with _open(path) as f:
-                first_line = 1
-                while lines := _read_lines(f, path, self.read_chunk_rows):
-                    labels, raw_dense, ids = parse_lines(
-                        lines, table_sizes, path=path, first_line=first_line,
-                        missing=-1 if self.missing_category == "empty" else 0,
-                    )
-                    dense = self._transform(raw_dense, lines, path, first_line)
-                    first_line += len(lines)
+                lines = f if end is None else _lines_between(f, start, end)
+                first_line = 1  # of the share: the file's numbers are found on errors only
+                while chunk := _read_lines(lines, path, self.read_chunk_rows):
+                    labels, dense, ids = self._parse(chunk, table_sizes, path, first_line, start)
+                    first_line += len(chunk)
                     num_rows += labels.shape[0]
                     yield labels, dense, ids
-            if num_rows == 0:
+            if num_rows == 0 and n == 1:
                 raise DataFormatError(
                     f"{path} holds no rows (it is empty or has only blank lines); pass a "
                     "Criteo TSV file with data, or leave this one out."
                 )
+            rows_in_share += num_rows
+        if rows_in_share == 0 and n > 1:
+            raise DataFormatError(
+                f"{_names(self.paths)}: part {k} of {n} (shard={self.shard}) holds no rows; "
+                f"the data is too small to split over {n} processes: pass more data or use "
+                "fewer processes."
+            )
+
+    def _parse(self, lines: list[bytes], table_sizes: np.ndarray, path: Path, first_line: int,
+               start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        missing = -1 if self.missing_category == "empty" else 0
+        try:
+            labels, raw_dense, ids = parse_lines(
+                lines, table_sizes, path=path, first_line=first_line, missing=missing)
+            return labels, self._transform(raw_dense, lines, path, first_line), ids
+        except DataFormatError:
+            if not start:
+                raise
+        # A share that starts inside the file: count the lines before it (the error path
+        # only) and parse again, which raises the same error with the file's line numbers.
+        first_line += _lines_before(path, start)
+        labels, raw_dense, ids = parse_lines(
+            lines, table_sizes, path=path, first_line=first_line, missing=missing)
+        self._transform(raw_dense, lines, path, first_line)
+        raise AssertionError("parsing the same lines again did not fail")  # pragma: no cover
 
     def _transform(
         self, raw: np.ndarray, lines: list[bytes], path: Path, first_line: int

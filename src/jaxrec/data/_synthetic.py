@@ -21,7 +21,8 @@ AUC clearly above 0.5 (``teacher_auc()`` is the ceiling)::
                    + b,    b chosen so that the mean click rate is ``click_rate``
     label    Bernoulli(sigmoid(logit))
 
-Batch ``i`` of size ``B`` depends only on ``(seed, i, B)``; any batch can be regenerated.
+Batch ``i`` of size ``B`` depends only on ``(seed, i, B)``; any batch can be regenerated
+(a process's part of it, ``batches(shard=)``, on its own).
 """
 
 from __future__ import annotations
@@ -33,7 +34,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from jaxrec.data._batch import Batch, check_batch_size, check_table_sizes, make_batch
+from jaxrec.data._batch import (
+    Batch,
+    check_batch_size,
+    check_shard,
+    check_table_sizes,
+    make_batch,
+)
 from jaxrec.data._criteo import CRITEO_KAGGLE_CARDINALITIES, dense_log1p
 from jaxrec.metrics import auc
 
@@ -212,17 +219,26 @@ class SyntheticClickLog:
         return SyntheticSample(dense, values, lengths, labels, probs.astype(np.float32))
 
     def batches(
-        self, batch_size: int, num_batches: int | None = None, *, start: int = 0
+        self, batch_size: int, num_batches: int | None = None, *, start: int = 0,
+        shard: tuple[int, int] = (0, 1),
     ) -> Iterator[Batch]:
-        """Batches ``start, start + 1, ...`` (``num_batches`` of them, or endless)."""
+        """Batches ``start, start + 1, ...`` (``num_batches`` of them, or endless).
+
+        ``shard=(k, n)``: only part ``k`` of ``n`` of each batch, for one of ``n`` processes
+        (docs/multiprocess.md): ``batch_size // n`` samples, a function of ``(seed, i * n +
+        k, batch_size // n)``, so no process draws another's samples. ``(0, 1)`` is the
+        whole batch."""
         batch_size = check_batch_size(batch_size)
-        capacity = batch_size * self.capacity_per_sample
+        k, n = check_shard(shard)
+        if batch_size % n:
+            raise ValueError(f"batch_size={batch_size} does not split into the {n} parts of "
+                             f"shard={shard}; pass a multiple of {n}.")
+        size = batch_size // n
+        capacity = size * self.capacity_per_sample
         i = start
         while num_batches is None or i < start + num_batches:
-            s = self.sample(batch_size, index=i)
-            yield make_batch(
-                self.keys, s.values, s.lengths, s.dense, s.labels, batch_size, capacity
-            )
+            s = self.sample(size, index=i * n + k)
+            yield make_batch(self.keys, s.values, s.lengths, s.dense, s.labels, size, capacity)
             i += 1
 
     def teacher_auc(self, num_samples: int = 20000) -> float:

@@ -66,7 +66,8 @@ def launch(command: Sequence[str], num_processes: int, *, cpu_devices: int | Non
     ``initialize_distributed``; returns 0 when all succeed.
 
     ``command``: the program and its arguments (``["python", "train.py"]``; ``python``
-    is this interpreter). ``cpu_devices``: CPU devices per process
+    is this interpreter; ``["train", ...]`` is ``jaxrec train``, one run over every
+    process's devices). ``cpu_devices``: CPU devices per process
     (``--xla_force_host_platform_device_count``); ``gpus_per_process``: process i sees GPUs
     ``i * k .. i * k + k - 1`` (``CUDA_VISIBLE_DEVICES``). The first process to fail stops the
     others, and so does ``timeout_s``: a dead or hung peer never hangs the launch; the
@@ -75,6 +76,10 @@ def launch(command: Sequence[str], num_processes: int, *, cpu_devices: int | Non
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     argv = list(command)
+    if argv[:1] == ["jaxrec"]:
+        argv = argv[1:]
+    if argv[:1] == ["train"]:  # jaxrec train, as N processes of one run
+        argv = ["python", "-m", "jaxrec", *argv]
     if not argv:
         raise ValueError("give the program to run, e.g. python train.py")
     if argv[0] in ("python", "python3"):
@@ -134,7 +139,8 @@ def _free_port() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``jaxrec launch -n N [--cpu-devices K] [--timeout S] -- PROGRAM ...``."""
+    """``jaxrec launch -n N [--cpu-devices K] [--timeout S] -- PROGRAM ...`` (PROGRAM
+    ``train``: ``jaxrec train``)."""
     import argparse
 
     parser = argparse.ArgumentParser(
@@ -144,13 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpu-devices", type=int, help="CPU devices per process")
     parser.add_argument("--gpus-per-process", type=int, help="GPUs per process (CUDA_VISIBLE_DEVICES)")
     parser.add_argument("--timeout", type=float, help="stop every process after this many seconds")
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="after --: the program, e.g. python train.py")
+    parser.add_argument("command", nargs=argparse.REMAINDER,
+                        help="after --: the program, e.g. python train.py, or train ... (jaxrec "
+                        "train as N processes: one run over all their devices)")
     args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if command[:1] in (["train"], ["jaxrec"]):
-        parser.error("jaxrec train runs in one process; train over several processes through the "
-                     "Python API: jaxrec launch -n N -- python your_script.py, the script calling "
-                     "jaxrec.parallel.initialize_distributed() first (docs/multiprocess.md)")
     try:
         return launch(command, args.num_processes, cpu_devices=args.cpu_devices,
                       gpus_per_process=args.gpus_per_process, timeout_s=args.timeout)

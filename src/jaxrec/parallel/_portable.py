@@ -15,16 +15,20 @@ any plan on any mesh can load it::
 Both run on the host in NumPy: the arrays pass through host memory once (no compile, no
 device holds more than its own blocks), so the host needs room for the largest group.
 Portable arrays are placed row-sharded over the mesh when their row count is a multiple
-of the device count, else replicated (NamedSharding needs even blocks). One process:
-on several hosts every process would need the whole tables (not supported yet).
+of the device count, else replicated (NamedSharding needs even blocks). With several
+processes (docs/multiprocess.md) every process gathers the whole buffers to its host
+(``to_host``, an all-gather) and places its own blocks: each host needs room for the
+largest group, as in one process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -40,17 +44,26 @@ def portable_sharding(mesh, axis: str, shape: tuple[int, ...]) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
+def to_host(x) -> np.ndarray:
+    """The whole of ``x`` in this process's memory, also when it spans other processes'
+    devices (then all-gathered: every process must call it alike)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def pack_group(group: Group, num_devices: int, arrays: Mapping[int, np.ndarray], per_row: bool,
                dtype) -> np.ndarray:
     """The global buffer of ``group`` from portable ``arrays`` (``{table index: array}``)."""
     dtype = jnp.dtype(dtype)
     if group.kind == DP:
         pieces = sorted(group.pieces, key=lambda p: p.offset)
-        return np.concatenate([np.asarray(arrays[p.table]).astype(dtype).ravel() for p in pieces])
+        return np.concatenate([to_host(arrays[p.table]).astype(dtype).ravel() for p in pieces])
     rows, dim = group.layout.rows[0], group.layout.dims[0]
     out = np.zeros((num_devices, rows) + (() if per_row else (dim,)), dtype)
+    hosts = {t: to_host(x) for t, x in arrays.items()}
     for p in group.pieces:
-        block = np.asarray(arrays[p.table])[p.row_lo:p.row_hi]
+        block = hosts[p.table][p.row_lo:p.row_hi]
         out[p.device, p.offset:p.offset + p.row_hi - p.row_lo] = (
             block if per_row else block[:, p.col_lo:p.col_hi])
     return out.reshape(-1)
@@ -62,7 +75,7 @@ def unpack(layout: ShardedLayout, buffers: Sequence[np.ndarray], per_row: bool
     found: dict[int, list] = {t: [] for t in range(len(layout.tables))}
     n = layout.world_size
     for group, buf in zip(layout.groups, buffers):
-        buf = np.asarray(buf)
+        buf = to_host(buf)
         if group.kind == DP:
             gl = group.layout
             starts = gl.row_offsets if per_row else gl.table_offsets

@@ -112,7 +112,9 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
     bounded features then receive distinct rows, not pooled bags or partial sums).
     ``process_local``: with several processes (docs/multiprocess.md), ``batch`` holds only
     this process's rows, for its own devices of the mesh, in mesh order; every process calls
-    ``shard_batch`` alike, and the KJTs' capacity is the largest over all processes.
+    ``shard_batch`` alike, and the KJTs' capacity is ``capacity`` or else the largest need
+    over all processes (agreed on by a collective: pass ``capacity`` to call it from a
+    data-loading thread).
     """
     mesh = auto_mesh(mesh)
     axis_name = mesh.axis_names[0] if axis_name is None else axis_name
@@ -135,7 +137,9 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
     if model is not None:
         _fit_row_return(model, kjts)
     needs = [max(int(np.asarray(k[j].lengths()).sum()) for k in kjts) for j in range(len(kjts[0]))]
-    if process_local and jax.process_count() > 1:  # one static capacity in every process
+    if process_local and capacity is None and jax.process_count() > 1:
+        # One static capacity in every process: agreed on by a collective, so calls must be
+        # made in the same order everywhere (with a given capacity, none is needed).
         needs = np.asarray(multihost_utils.process_allgather(np.asarray(needs, np.int64))).max(axis=0).tolist()
     caps = []
     for need in needs:

@@ -43,7 +43,11 @@ from jaxrec.nn import EmbeddingBagCollection
 from jaxrec.serving import PRECISIONS, export, quantize, quantize_rows
 from jaxrec.serving._export import BATCH_SIZES, FORMAT
 from jaxrec.train._config import TrainConfig
-from jaxrec.train._loop import DENSE_OPTIMIZERS, checkpoint_state  # what jaxrec train saves and resumes
+from jaxrec.train._loop import (  # what jaxrec train saves and resumes
+    DENSE_OPTIMIZERS,
+    checkpoint_state,
+    load_checkpoint_state,
+)
 from jaxrec.train._task_base import Task
 from jaxrec.train._tasks import best_evaluation, build_task
 
@@ -103,7 +107,7 @@ def restore_run(path: str | Path, *, step: int | None = None) -> RestoredRun:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # orbax's notes; a corrupt checkpoint raises below
         state, meta = restore_checkpoint(directory, target, step=found_step)
-    nnx.update(task.model, state["model"])
+    load_checkpoint_state(task.model, state)
     recorded = next((e for e in (meta.get("history") or {}).get("eval", []) if e["step"] == meta.step), None)
     return RestoredRun(config, task, directory, meta.step, chosen, recorded)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
+from jaxrec.parallel._multiprocess import ENV_NUM_PROCESSES
 from jaxrec.train._config import (
     DENSE_OPTIMIZERS,
     MODELS,
@@ -90,6 +92,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out-dir", default=d.out_dir)
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--backend", choices=("auto", "kernel", "reference"), default=d.backend)
+    group = p.add_argument_group(
+        "several processes", "one run over the devices of N processes (jax.distributed; "
+        "docs/multiprocess.md): every process runs jaxrec train with the same flags. "
+        "`jaxrec launch -n N -- train ...` sets these on one machine; on a cluster, without "
+        "them, JAX detects SLURM, Open MPI and Kubernetes-style environments when "
+        "--num-processes is given")
+    group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
+    group.add_argument("--num-processes", type=int, metavar="N")
+    group.add_argument("--process-id", type=int, metavar="I")
     p.add_argument("--on-nonfinite", choices=("stop", "skip"), default=d.on_nonfinite,
                    help="a step with a NaN/Inf loss or gradient: stop the run (keeping the last "
                         "finite checkpoint), or skip its update and count it (default: "
@@ -106,6 +117,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
+    joining = {k: args.pop(k) for k in ("coordinator", "num_processes", "process_id")}
     if args["steps"] is None and args["epochs"] is None:
         args["steps"] = TrainConfig().steps
     try:
@@ -113,15 +125,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxrec train: {e}", file=sys.stderr)
         return 2
+    if any(v is not None for v in joining.values()) or ENV_NUM_PROCESSES in os.environ:
+        from jaxrec.parallel import initialize_distributed
+
+        initialize_distributed(joining["coordinator"], joining["num_processes"],
+                               joining["process_id"])
     from jaxrec.train._loop import TrainingStopped, train
 
     # Every way a run can fail ends in one clear message and a non-zero exit code.
     try:
         record = train(config)
-    except TrainingStopped as e:  # metrics.json and curves.png are written
+    except TrainingStopped as e:  # metrics.json and curves.png are written (by process 0)
         print(f"jaxrec train: {e}", file=sys.stderr)
-        print(f"wrote {config.out_dir}/metrics.json (status {e.record['status']}) and "
-              f"{config.out_dir}/curves.png", file=sys.stderr)
+        if e.record["process"] == 0:
+            print(f"wrote {config.out_dir}/metrics.json (status {e.record['status']}) and "
+                  f"{config.out_dir}/curves.png", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"jaxrec train: interrupted; {config.out_dir}/metrics.json has the run so far",
@@ -130,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 (bad paths and files, the lock, a refused resume, ...)
         print(f"jaxrec train: {_one_line(e)}", file=sys.stderr)
         return 1
+    import jax
+
+    if jax.process_index() != 0:
+        return 0  # process 0 says it
     final = ", ".join(f"{k} {v:.4f}" for k, v in record["final"].items())
     extra = record["data"].get("teacher_auc")
     ceiling = f" (the synthetic log's teacher reaches AUC {extra:.4f})" if extra else ""
@@ -137,8 +159,11 @@ def main(argv: list[str] | None = None) -> int:
     test = record["test"]
     which = (f"the best validation model, step {test['step']}" if test["model"] == "best"
              else "the last model; no validation set")
+    where = record["device"]
+    if record["processes"] > 1:
+        where = f"{record['devices']} devices ({where}) of {record['processes']} processes"
     print(f"{config.model} on {config.data}: {record['steps']} steps, test {final} ({which})"
-          f"{ceiling}" + (f"; {speed:,.0f} samples/s on {record['device']}" if speed else ""))
+          f"{ceiling}" + (f"; {speed:,.0f} samples/s on {where}" if speed else ""))
     popularity = record["data"].get("popularity_test")
     if popularity:
         print("popularity baseline (the most popular unseen items), test " + ", ".join(

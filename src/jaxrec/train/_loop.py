@@ -27,6 +27,10 @@ outputs of an earlier run in ``out_dir`` stay as they are.
 
 A run holds ``CheckpointLock(checkpoint_dir)`` from start to end: a second run on the same
 directory is refused at start.
+
+Checkpoints hold the plan-free form of the state (``checkpoint_state``: each table whole,
+``jaxrec.parallel.portable_state``), so a run resumes on another number of processes
+(``_processes.py``); models with TT tables, which have no such form, save their NNX state.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import warnings
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -60,6 +65,9 @@ from jaxrec.checkpoint import (
 )
 from jaxrec.data import Prefetcher
 from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
+from jaxrec.parallel import load_portable_state, make_forward, portable_state
+from jaxrec.parallel._sharded_ebc import replicate
+from jaxrec.train import _processes
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves
 from jaxrec.train._progress import Progress
@@ -84,9 +92,14 @@ def train(config: TrainConfig) -> dict:
     """Runs ``config``; returns (and writes to ``out_dir/metrics.json``) the run's record.
 
     Raises ``TrainingStopped`` when the run stops early (module doc), after writing the
-    outputs; ``CheckpointLockedError`` when another run uses ``checkpoint_dir``.
+    outputs; ``CheckpointLockedError`` when another run uses ``checkpoint_dir``. With
+    several processes (``_processes.py``) every process calls it; process 0 writes the
+    outputs and holds the lock.
     """
-    lock = CheckpointLock(config.checkpoint_dir) if config.checkpoint_dir else (
+    if _processes.several():
+        _processes.check(config)
+    first = jax.process_index() == 0
+    lock = CheckpointLock(config.checkpoint_dir) if config.checkpoint_dir and first else (
         contextlib.nullcontext())
     with lock:
         return _Run(config).run()
@@ -99,13 +112,20 @@ class _Run:
         self.config = config
         self.task = build_task(config)
         self.model = self.task.model
+        self.plan = None  # the tables' sharding plan, with several processes
+        if _processes.several():
+            self.model, self.plan = _processes.shard_model(self.model, config)
+            self.task.model = self.model
         self.optimizer = nnx.Optimizer(
             self.model, DENSE_OPTIMIZERS[config.dense_optimizer](config.dense_learning_rate), wrt=nnx.Param)
+        if self.plan is not None:  # on the mesh before a restore takes its shardings
+            replicate(self.optimizer, _processes.mesh())
         self.history: dict = {"train": [], "eval": []}
         self.step = 0
         self.resumed: dict | None = None
         self.validates = self.task.val_batches is not None
-        self.best_state = None  # the best model's state on the host, without checkpoint_dir
+        self.best_state = None  # the best model's state, without checkpoint_dir
+        self.saved_step = None  # the newest checkpoint this run wrote or resumed
         self.early_stop: dict | None = None
         self.test: dict = {}
         if config.resume:
@@ -114,11 +134,16 @@ class _Run:
         self.train_step = make_train_step(self.task.loss_fn,
                                           on_nonfinite=NONFINITE_POLICIES[config.on_nonfinite])
         self.predict = nnx.jit(self.task.predict)
+        if self.plan is not None:  # this process's rows of the sharded model's predictions
+            forward, mesh = make_forward(self.task.predict), _processes.mesh()
+            self.predict = lambda model, batch: _processes.local_rows(
+                forward(model, _processes.place(batch, mesh)))
         self.timed_steps, self.timed_s = 0, 0.0
         total = config.steps or (config.epochs * self.task.steps_per_epoch
                                  if self.task.steps_per_epoch else None)
         self.total = total
-        self.progress = Progress(total, every=_LOG_EVERY)
+        self.progress = Progress(total, every=_LOG_EVERY,
+                                 stream=sys.stderr if jax.process_index() == 0 else None)
         self.status = {"loss": "-", **self._last_eval()}
 
     def run(self) -> dict:
@@ -153,7 +178,11 @@ class _Run:
         batches = self.task.train_batches(self.step)
         if total is not None:
             batches = itertools.islice(batches, max(total - self.step, 0))
-        with Prefetcher(batches, buffer_size=4) as stream:
+        if self.plan is not None:  # placed on the mesh in the data thread
+            mesh = _processes.mesh()
+            batches = (_processes.place(b, mesh) for b in batches)
+        # Placed batches are global arrays already (device=False: no device_put of its own).
+        with Prefetcher(batches, buffer_size=4, device=False if self.plan else None) as stream:
             for batch in stream:
                 losses.append(self.train_step(self.model, self.optimizer, batch))
                 self.step += 1
@@ -212,6 +241,8 @@ class _Run:
         if self.validates and best_evaluation(task.info["task"], self.history["eval"]) is point:
             if self.config.checkpoint_dir:
                 self._save()  # kept by the rotation while it is the best
+            elif self.plan is not None:  # the tables span processes: a copy on the devices
+                self.best_state = jax.tree.map(jnp.copy, nnx.state(self.model))
             else:
                 self.best_state = jax.device_get(nnx.state(self.model))
 
@@ -251,13 +282,13 @@ class _Run:
                 f"tested; the newest checkpoint, step {latest_step(directory)}, is the last "
                 "model")
         state, _ = restore_checkpoint(directory, checkpoint_state(self.model, self.optimizer), step=step)
-        nnx.update(self.model, state["model"])
+        load_checkpoint_state(self.model, state)
 
     def _save(self) -> None:
         """Checkpoints this step (once), then deletes all but the newest ``_KEEP`` and the
         best evaluation's checkpoint."""
         directory = self.config.checkpoint_dir
-        if latest_step(directory) == self.step:
+        if self.saved_step == self.step:
             return
         self.train_step.check()  # never save after a non-finite step (or a FATAL bounds check)
         # One batch per step, so the data position is the step; both are saved, so that a
@@ -268,6 +299,7 @@ class _Run:
                             metadata={"step": self.step, "data_position": self.step,
                                       "history": self.history,
                                       "config": dataclasses.asdict(self.config)})
+            self.saved_step = self.step
         except NonFiniteStateError as e:
             # No update writes a non-finite value (jaxrec/_step_guard.py), but a value set
             # from outside the step can hold one; stopped as a non-finite step all the same.
@@ -323,6 +355,10 @@ class _Run:
             "config": dataclasses.asdict(config),
             "device": jax.devices()[0].device_kind,
             "platform": jax.devices()[0].platform,
+            "processes": jax.process_count(),
+            "process": jax.process_index(),
+            "devices": jax.device_count() if self.plan is not None else 1,
+            "plan": None if self.plan is None else self.plan.to_json(),
             "versions": {"jaxrec": jaxrec.__version__, "jax": jax.__version__,
                          "python": platform.python_version()},
             "data": self.task.info,
@@ -339,6 +375,8 @@ class _Run:
                       if k not in ("step", "epoch", "model", "checkpoint")},
             "history": self.history,
         }
+        if jax.process_index() != 0:  # one run, one set of outputs: process 0's
+            return record
         out = Path(config.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         (out / "metrics.json").write_text(json.dumps(_finite(record), indent=2) + "\n")
@@ -360,13 +398,14 @@ class _Run:
             self._check_settings(read_metadata(directory), directory)
             state, meta = restore_checkpoint(directory, checkpoint_state(self.model, self.optimizer))
         applied = self._check_settings(meta, directory)
-        nnx.update(self.model, state["model"])
-        nnx.update(self.optimizer, state["optimizer"])  # optax keeps no rate: the new one holds
+        load_checkpoint_state(self.model, state, self.optimizer)  # optax keeps no rate
         if any(isinstance(m, EmbeddingBagCollection) and m.fused
                for _, m in nnx.iter_modules(self.model)):  # the tables' rate was restored: set it
             set_learning_rate(self.model, self.config.table_learning_rate)
         self.step, self.history = meta["data_position"], _history(meta)
-        set_aside = _set_aside_newer(Path(directory), meta.step)
+        self.saved_step = meta.step
+        set_aside = _set_aside_newer(Path(directory), meta.step) if jax.process_index() == 0 else {}
+        _processes.barrier("jaxrec train: resumed")  # the set-aside folders are gone for all
         self.resumed = {"from_step": meta.step, "applied": applied,
                         "corrupt_set_aside": list(set_aside.values())}
         note = f"jaxrec train: resuming checkpoint step {meta.step} in {directory}"
@@ -375,7 +414,8 @@ class _Run:
         for step, path in set_aside.items():
             note += f"\n  skipped corrupt checkpoint step {step} (moved to {path}): " \
                     f"{meta.corrupt.get(step, '')}"
-        print(note, file=sys.stderr)
+        if jax.process_index() == 0:
+            print(note, file=sys.stderr)
 
     def _check_settings(self, meta, directory) -> list[str]:
         """The learning rates this run changes; refuses any other change that matters."""
@@ -391,8 +431,26 @@ class _Run:
 
 
 def checkpoint_state(model, optimizer):
-    """What a run's checkpoint holds (``jaxrec export`` restores into it too)."""
-    return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    """What a run's checkpoint holds (``jaxrec export`` restores into it too): the
+    plan-free form (module doc), or the NNX state of a model with TT tables."""
+    if _has_tt(model):
+        return {"model": nnx.state(model), "optimizer": nnx.state(optimizer)}
+    return portable_state(model, optimizer)
+
+
+def load_checkpoint_state(model, state, optimizer=None) -> None:
+    """Sets ``model`` (and ``optimizer``) from ``checkpoint_state``'s form, restored."""
+    if _has_tt(model):
+        nnx.update(model, state["model"])
+        if optimizer is not None:
+            nnx.update(optimizer, state["optimizer"])
+    else:
+        load_portable_state(model, state, optimizer)
+
+
+def _has_tt(model) -> bool:
+    return any(isinstance(m, EmbeddingBagCollection) and any(g.tt for g in m.groups)
+               for _, m in nnx.iter_modules(model))
 
 
 def _check_metadata(meta, directory) -> None:

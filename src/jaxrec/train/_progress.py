@@ -8,13 +8,17 @@ import time
 
 
 class Progress:
+    """``stream=None``: silent (the processes of a run other than process 0)."""
+
     def __init__(self, total: int | None, *, every: int, stream=sys.stderr):
         self.total, self.every, self.stream = total, every, stream
-        self.tty = stream.isatty()
+        self.tty = stream is not None and stream.isatty()
         self.start = time.perf_counter()
         self.last: tuple | None = None
 
     def update(self, step: int, fields: dict[str, str], *, force: bool = False) -> None:
+        if self.stream is None:
+            return
         if not (self.tty or force or step % self.every == 0) or self.last == (step, fields):
             return
         self.last = (step, dict(fields))

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxrec import data, metrics, optim
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig
 from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
+from jaxrec.train._processes import gather
 
 
 @dataclasses.dataclass
@@ -29,13 +30,15 @@ class Task:
     info: dict
 
     def evaluate(self, predict, batches: list[data.Batch]) -> dict[str, float]:
-        """The task's metrics of ``predict`` on ``batches`` (the masked rows only)."""
+        """The task's metrics of ``predict`` on ``batches`` (the masked rows only; with
+        several processes, of every process's ``batches``)."""
         labels, scores, masks = [], [], []
         for batch in batches:
             scores.append(np.asarray(predict(self.model, batch)))
             labels.append(np.asarray(batch.labels))
             masks.append(np.asarray(batch.mask))
-        y, s, w = (np.concatenate(x) for x in (labels, scores, masks))
+        # Every process's rows (several processes): the metrics are the whole set's.
+        y, s, w = gather(*(np.concatenate(x) for x in (labels, scores, masks)))
         bad = ~np.isfinite(s) & (w > 0)
         if bad.any():  # a finite model whose values overflow in the forward pass
             raise FloatingPointError(f"{int(bad.sum())} of the held-out predictions are not "

@@ -6,7 +6,8 @@ The three sets are disjoint. Ratings: the test split (ML-100K's ``u1.test``, or 
 10% of a ratings file), then ``val_fraction`` of the remaining ratings, drawn by seed
 (``ratings_splits``). Click data: ``eval_batches`` test batches, then as many validation
 batches (synthetic: batches from far-off positions; Criteo: the first batches of the
-stream, which training skips).
+stream, which training skips). With several processes (``_processes.py``) each process
+holds its share of every batch and set.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from jaxrec import data
 from jaxrec.models import DLRM, DLRM_DCN, TwoTower
 from jaxrec.nn import EmbeddingBagCollection
 from jaxrec.train._config import TrainConfig
+from jaxrec.train._processes import data_shard
 from jaxrec.train._retrieval import retrieval_task
 from jaxrec.train._task_base import Task, collection, masked_mean, passes
 
@@ -89,16 +91,19 @@ def _ctr_task(config: TrainConfig) -> Task:
         info["teacher_auc"] = log.teacher_auc()
 
         def train_batches(position):
-            return log.batches(config.batch_size, None, start=position)
+            return log.batches(config.batch_size, None, start=position, shard=data_shard())
 
-        test = list(log.batches(config.batch_size, config.eval_batches, start=_TEST_START))
-        val = list(log.batches(config.batch_size, config.eval_batches, start=_VAL_START))
+        test = list(log.batches(config.batch_size, config.eval_batches, start=_TEST_START,
+                                shard=data_shard()))
+        val = list(log.batches(config.batch_size, config.eval_batches, start=_VAL_START,
+                               shard=data_shard()))
         steps_per_epoch = None
     else:
         paths = _criteo_files(Path(config.data_path))
         sizes = tuple(min(n, config.max_rows) for n in data.CRITEO_KAGGLE_CARDINALITIES)
-        reader = data.CriteoReader(paths, batch_size=config.batch_size,
-                                   num_embeddings_per_feature=list(sizes))
+        share = data_shard()
+        reader = data.CriteoReader(paths, batch_size=config.batch_size // share[1],
+                                   num_embeddings_per_feature=list(sizes), shard=share)
         keys, num_dense = reader.keys, len(data.CRITEO_DENSE_KEYS)
         test, val = _held_out_criteo(reader, config)
         steps_per_epoch = None
@@ -153,12 +158,15 @@ def _held_out_criteo(reader: data.CriteoReader,
         stream.close()
     if not trains:
         rows = sum(int(np.asarray(b.mask).sum()) for b in held_out)
-        needed = 2 * config.eval_batches * config.batch_size
+        k, n = reader.shard
+        needed = 2 * config.eval_batches * reader.batch_size
+        where = f"criteo:{config.data_path}" + (f" (process {k}'s share of {n})" if n > 1 else "")
+        per_process = f" / {n} processes" if n > 1 else ""
         raise ValueError(
-            f"criteo:{config.data_path} holds {rows} rows; a run needs more than {needed} "
-            f"(2 x --eval-batches {config.eval_batches} x --batch-size {config.batch_size} held "
-            "out for testing and validation, then at least one row to train on): pass a "
-            "smaller --batch-size or --eval-batches, or more data")
+            f"{where} holds {rows} rows; a run needs more than {needed} (2 x --eval-batches "
+            f"{config.eval_batches} x --batch-size {config.batch_size}{per_process} held out for "
+            "testing and validation, then at least one row to train on): pass a smaller "
+            "--batch-size or --eval-batches, or more data")
     return held_out[:config.eval_batches], held_out[config.eval_batches:]
 
 

@@ -1,0 +1,118 @@
+"""``jaxrec train`` as several processes (``jaxrec launch -n N -- train``, docs/multiprocess.md).
+
+One process trains on one device, its model unsharded. When ``jax.distributed`` has
+joined several processes (``--num-processes``, or ``jaxrec launch``'s environment), the
+run is one model over every process's devices:
+
+- the tables are sharded by the planner over a mesh of all devices, a process's devices
+  one host (``Topology(local_world_size=jax.local_device_count())``); the dense part is
+  data parallel;
+- each process reads only its share of the data (``shard=(process, processes)`` of the
+  synthetic log and the Criteo reader) and places it on its own devices
+  (``shard_batch(process_local=True)``, with the KJTs' static capacity, so that no
+  collective runs in the data-loading thread): ``--batch-size`` is the global batch;
+- the held-out metrics are computed over every process's rows (``gather``), the same in
+  every process, so that evaluations, early stopping and the best model agree;
+- process 0 alone writes metrics.json, curves.png and the progress lines, and holds the
+  checkpoint directory's lock; every process writes its shards of each checkpoint.
+
+Checkpoints hold the plan-free (portable) state (``_loop.checkpoint_state``), so a run
+resumes on any number of processes. Refused for now, with the reason: MovieLens and click
+logs (their readers have no share per process yet), TT tables (no sharded TT collection),
+plain tables (their optax state mirrors the plan) and ``--epochs`` (the shares' passes
+differ in length, and a process that ran out first would wait for the others).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.experimental import multihost_utils
+
+from jaxrec import parallel
+from jaxrec.nn import EmbeddingBagCollection
+from jaxrec.train._config import TrainConfig
+
+AXIS = "data"
+
+
+def several() -> bool:
+    """Whether this run spans several processes."""
+    return jax.process_count() > 1
+
+
+def data_shard() -> tuple[int, int]:
+    """This process's share of the data: ``(process index, process count)``."""
+    return jax.process_index(), jax.process_count()
+
+
+def check(config: TrainConfig) -> None:
+    """Refuses, with the reason and the fix, what several processes cannot run yet."""
+    n, devices = jax.process_count(), jax.device_count()
+    why = None
+    if config.data_kind not in ("synthetic", "criteo"):
+        why = (f"--data {config.data_kind}: only the synthetic log and Criteo files are read in "
+               "shares per process so far; train it in one process")
+    elif config.tt_ranks:
+        why = "--tt-ranks: TT tables are not sharded; train them in one process"
+    elif config.table_optimizer == "plain":
+        why = ("--table-optimizer plain: the optax state of sharded plain tables depends on the "
+               "plan, so their checkpoints would not restore on another number of processes; "
+               "use a fused table optimizer (the default rowwise_adagrad)")
+    elif config.epochs is not None:
+        why = ("--epochs: each process reads its own share, whose passes differ in length; "
+               "count the run in --steps")
+    elif config.batch_size % devices:
+        why = (f"--batch-size {config.batch_size} does not split over the {devices} devices of the "
+               f"{n} processes; pass a multiple of {devices}")
+    if why:
+        raise ValueError(f"{n} processes: {why}")
+
+
+def mesh() -> jax.sharding.Mesh:
+    """Every process's devices on one axis, each process's devices a block in process order
+    (``shard_batch(process_local=True)`` needs that)."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    return jax.sharding.Mesh(np.asarray(devices), (AXIS,))
+
+
+def shard_model(model, config: TrainConfig):
+    """``model`` with its table collection sharded by the planner over ``mesh()``; returns
+    ``(model, plan)``."""
+    (ebc,) = [m for _, m in nnx.iter_modules(model)
+              if isinstance(m, EmbeddingBagCollection)]
+    n = jax.device_count()
+    stats = jax.local_devices()[0].memory_stats() or {}
+    topology = parallel.Topology(world_size=n, local_world_size=jax.local_device_count(),
+                                 hbm_cap=int(stats.get("bytes_limit", 16 << 30) * 0.8),
+                                 batch_size=config.batch_size // n)
+    plan = parallel.EmbeddingShardingPlanner(topology, optimizer=ebc.optimizer).plan(ebc.table_configs)
+    return parallel.shard(model, plan, mesh()), plan
+
+
+def place(batch, the_mesh: jax.sharding.Mesh):
+    """This process's batch as global arrays over ``the_mesh`` (no collective: the KJTs keep
+    their static capacity, split evenly over the local devices)."""
+    capacity = batch.sparse.values().shape[0] // jax.local_device_count()
+    return parallel.shard_batch(batch, the_mesh, process_local=True, capacity=capacity)
+
+
+def local_rows(out: jax.Array) -> np.ndarray:
+    """This process's rows of ``make_forward``'s output (``[devices, rows]``), in order."""
+    shards = sorted(out.addressable_shards, key=lambda s: s.index[0].start or 0)
+    return np.concatenate([np.asarray(s.data) for s in shards]).reshape(-1)
+
+
+def gather(*arrays: np.ndarray) -> list[np.ndarray]:
+    """Every process's ``arrays`` (equal shapes), concatenated in process order: the same
+    in every process."""
+    if not several():
+        return list(arrays)
+    return [np.asarray(multihost_utils.process_allgather(x, tiled=True)) for x in arrays]
+
+
+def barrier(name: str) -> None:
+    """Waits until every process got here (e.g. after process 0 renamed files)."""
+    if several():
+        multihost_utils.sync_global_devices(name)
