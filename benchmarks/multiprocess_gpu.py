@@ -143,6 +143,7 @@ def main(argv=None) -> int:
               f"{per_batch[batch]['max_relative_loss_difference']:.1e} (relative)")
     result = {"benchmark": "multiprocess_gpu", "date": time.strftime("%Y-%m-%d"), "device": one["device_kind"],
               "jax": jax.__version__, "jaxrec": jaxrec.__version__, "jaxrec_build": jaxrec.build_info(),
+              "xla_flags": os.environ.get("XLA_FLAGS", ""),
               "shape": dict(tables=TABLES, rows=ROWS, dim=DIM, steps=args.steps), "per_batch": per_batch}
     if args.out:
         with open(args.out, "w") as f:

@@ -369,12 +369,17 @@ def _digest_words(array):
     return jnp.stack([first, second])
 
 
+@jax.jit
+def _count_nonfinite(array):
+    return jnp.sum(~jnp.isfinite(array))
+
+
 def _nonfinite(key: str, array) -> str | None:
     """``"key (n of size values NaN/Inf)"`` when a floating array is not all finite."""
     if not jax.dtypes.issubdtype(array.dtype, np.inexact):
         return None
     if _spans_processes(array):
-        bad = int(jax.jit(lambda x: jnp.sum(~jnp.isfinite(x)))(array))
+        bad = int(_count_nonfinite(array))
     else:
         bad = int(np.size(array) - np.count_nonzero(np.isfinite(np.asarray(array))))
     return f"{key or '<root>'} ({bad} of {np.size(array)} values NaN/Inf)" if bad else None

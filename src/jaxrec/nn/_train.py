@@ -46,10 +46,10 @@ import weakref
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import _step_guard
+from jaxrec._mesh import on_mesh
 from jaxrec.fused import guarded_update
 from jaxrec.fused import set_learning_rate as _set_tables_learning_rate
 from jaxrec.nn._collection import TableCollection
@@ -255,7 +255,7 @@ def _placed(split, lists, mesh):
         if len(values) == len(refs) and all(map(operator.is_, (r() for r in refs), values)):
             return lists, structure, specs
     leaves, structure = jax.tree.flatten(lists)
-    leaves = [_on_mesh(x, mesh) for x in leaves]
+    leaves = [on_mesh(x, mesh) for x in leaves]
     specs = tuple(x.sharding.spec for x in leaves)
     return jax.tree.unflatten(structure, leaves), structure, specs
 
@@ -270,12 +270,3 @@ def _remember_placed(split, outputs, structure, specs) -> None:
         split.derived["placed"] = ([weakref.ref(x) for x in values], structure, specs)
     except TypeError:
         split.derived.pop("placed", None)
-
-
-def _on_mesh(x, mesh):
-    """``x`` itself when it lives on ``mesh``, else a replicated copy over ``mesh``."""
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and (sharding.mesh is mesh or sharding.mesh == mesh):
-        return x
-    return jax.device_put(x, NamedSharding(mesh, P()))
-

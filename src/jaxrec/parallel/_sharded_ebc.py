@@ -35,6 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import _step_guard
+from jaxrec._mesh import on_mesh
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
@@ -380,9 +381,8 @@ class ShardedEmbeddingBagCollection(TableCollection):
                 raise ValueError(f"tables {[names[t] for t in members]} share one fused optimizer "
                                  f"step under this plan but the portable state gives them steps "
                                  f"{sorted(steps)}")
-            replicated = NamedSharding(self.mesh, P())
-            step = jax.device_put(jnp.asarray(steps.pop(), jnp.int32), replicated)
-            hparams = jax.device_put(config.hyperparams(), replicated)
+            step = on_mesh(np.int32(steps.pop()), self.mesh)
+            hparams = jax.tree.map(functools.partial(on_mesh, mesh=self.mesh), config.hyperparams())
             name = self.name if len(self.layout.groups) == 1 else f"{self.name}.{g}"
             out.append(FusedTables(FusedEmbeddingTables(
                 flat, config.state_type(step=step, **buffers), hparams, group.layout, config,
@@ -518,14 +518,6 @@ def replicate(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
     mesh = auto_mesh(mesh)
     state = nnx.state(model)
     nnx.update(model, jax.tree.map(functools.partial(on_mesh, mesh=mesh), state))
-
-
-def on_mesh(x, mesh):
-    """``x`` itself when it lives on ``mesh``, else a replicated copy over ``mesh``."""
-    sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and (sharding.mesh is mesh or sharding.mesh == mesh):
-        return x
-    return jax.device_put(x, NamedSharding(mesh, P()))
 
 
 def _on_device(message, any_bad, device, *report) -> str:

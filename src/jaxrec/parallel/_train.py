@@ -32,11 +32,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrec._mesh import on_mesh
 from jaxrec.nn import TableCollection
 from jaxrec.parallel._sharded_ebc import (
     ShardedEmbeddingBagCollection,
     auto_mesh,
-    on_mesh,
     refuse_variable_batch,
 )
 from jaxrec.sparse import KeyedJaggedTensor, capacity_bucket

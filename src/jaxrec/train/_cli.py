@@ -95,9 +95,11 @@ def _parser() -> argparse.ArgumentParser:
     group = p.add_argument_group(
         "several processes", "one run over the devices of N processes (jax.distributed; "
         "docs/multiprocess.md): every process runs jaxrec train with the same flags. "
-        "`jaxrec launch -n N -- train ...` sets these on one machine; on a cluster, without "
-        "them, JAX detects SLURM, Open MPI and Kubernetes-style environments when "
-        "--num-processes is given")
+        "`jaxrec launch -n N -- train ...` starts them on one machine")
+    group.add_argument("--distributed", action="store_true",
+                       help="join the other processes of the run: JAX's cluster detection (SLURM, "
+                            "Open MPI, Kubernetes-style environments) or the three flags below "
+                            "(any of them implies --distributed)")
     group.add_argument("--coordinator", metavar="HOST:PORT", help="process 0's address")
     group.add_argument("--num-processes", type=int, metavar="N")
     group.add_argument("--process-id", type=int, metavar="I")
@@ -117,6 +119,7 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def main(argv: list[str] | None = None) -> int:
     args = vars(_parser().parse_args(argv))
+    distributed = args.pop("distributed")
     joining = {k: args.pop(k) for k in ("coordinator", "num_processes", "process_id")}
     if args["steps"] is None and args["epochs"] is None:
         args["steps"] = TrainConfig().steps
@@ -125,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"jaxrec train: {e}", file=sys.stderr)
         return 2
-    if any(v is not None for v in joining.values()) or ENV_NUM_PROCESSES in os.environ:
+    if distributed or any(v is not None for v in joining.values()) or ENV_NUM_PROCESSES in os.environ:
         from jaxrec.parallel import initialize_distributed
 
         initialize_distributed(joining["coordinator"], joining["num_processes"],
