@@ -1,15 +1,17 @@
 """One process of tests/parallel/test_multiprocess.py: the sharded DLRM of the "mixed" plan
-(every sharding type, TABLE_ROW_WISE inside one "host" of 4 devices) trained 3 steps with
-fused Adam on weighted ids, each process feeding only its own rows of the global batch
+(every sharding type, TABLE_ROW_WISE inside one "host" of 4 devices) and of the
+"table_row_wise" plan (every table inside one host, the hosts taking turns) trained 3 steps
+with fused Adam on weighted ids, each process feeding only its own rows of the global batch
 (``shard_batch(..., process_local=True)``); process 0 saves the losses and the whole model
-state, and with ``--save`` every process writes its shards of a checkpoint.
+state, and with ``--save`` every process writes its shards of the "mixed" model's
+checkpoint.
 
     jaxrec launch -n 2 --cpu-devices 4 -- python multiprocess_train.py OUT.npz [--save DIR]
     (or --fail-rank R, --hang-rank R: a peer that dies, or never joins)
     jaxrec launch -n 4 --cpu-devices 2 -- python multiprocess_train.py OUT.npz --restore DIR
     (the model of the same plan on the 4 processes' 8 devices, restored from DIR)
 
-``train()`` is also what the test runs in its own process on 8 devices, to compare.
+``train_plans()`` is also what the test runs in its own process on 8 devices, to compare.
 """
 
 import os
@@ -21,9 +23,19 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 
 STEPS = 3
+PLANS = ("mixed", "table_row_wise")
 
 
-def train(save: str | None = None) -> dict[str, np.ndarray]:
+def train_plans(save: str | None = None) -> dict[str, np.ndarray]:
+    """Losses and state of each plan of ``PLANS``, as ``"<plan>.<name>"``."""
+    out = {}
+    for kind in PLANS:
+        result = train(kind, save=save if kind == "mixed" else None)
+        out.update({f"{kind}.{name}": x for name, x in result.items()})
+    return out
+
+
+def train(kind: str, save: str | None = None) -> dict[str, np.ndarray]:
     import jax
     import optax
     from flax import nnx
@@ -34,7 +46,7 @@ def train(save: str | None = None) -> dict[str, np.ndarray]:
     from jaxrec.optim import Adam
     from jaxrec.parallel._train import _slice as slice_rows
 
-    model = par.shard(build(Adam(learning_rate=0.05)), plan("mixed"), mesh())
+    model = par.shard(build(Adam(learning_rate=0.05)), plan(kind), mesh())
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
     step = make_train_step(lambda m, b: squared_error(m, b, B))
     rank, count = jax.process_index(), jax.process_count()
@@ -91,7 +103,7 @@ if __name__ == "__main__":
     if sys.argv[2:3] == ["--restore"]:
         result = restore(sys.argv[3])
     else:
-        result = train(save=sys.argv[3] if sys.argv[2:3] == ["--save"] else None)
+        result = train_plans(save=sys.argv[3] if sys.argv[2:3] == ["--save"] else None)
     import jax
 
     if jax.process_index() == 0:
