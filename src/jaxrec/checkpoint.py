@@ -33,7 +33,7 @@ Integrity:
 - ``CheckpointLock(directory)`` gives one process the directory for a run; a second one
   is refused with ``CheckpointLockedError``.
 - Arrays that span several processes (docs/multiprocess.md) are checked by a digest that
-  the devices compute where the shards live (``_global_digest``: two wrapping uint32 sums
+  each process computes over the shards it holds (``_digests``: two wrapping uint32 sums
   of the array's words, weighted by their position, so any change of one word is seen
   whatever the sharding), not by SHA-256: that would gather every array to one host. A
   restore checks each leaf by what its save wrote, on any number of processes.
@@ -72,7 +72,6 @@ import sys
 import warnings
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
@@ -345,49 +344,73 @@ def _array_sha(array) -> str:
 
 
 def _global_digest(array) -> str:
-    """The digest of an array that spans several processes (module doc), computed on its
-    devices: the same for any sharding, so a restore on another mesh checks it too."""
-    return "-".join(f"{int(x):08x}" for x in np.asarray(_digest_words(array)))
+    """The digest of one array (``_digests``)."""
+    return _digests([array])[0][0]
 
 
-@jax.jit
-def _digest_words(array):
-    if array.dtype == jnp.bool_:
-        array = array.astype(jnp.uint8)
-    width = array.dtype.itemsize
-    if width in (1, 2):
-        words = jax.lax.bitcast_convert_type(array, jnp.dtype(f"uint{8 * width}")).astype(jnp.uint32)
-    else:  # 4 bytes: one word; 8 bytes: two
-        words = jax.lax.bitcast_convert_type(array, jnp.uint32)
-    words = words.reshape(-1)
-    position = jnp.arange(words.shape[0], dtype=jnp.uint32)
-    # uint32 sums wrap: exact and independent of the order XLA adds the shards in. An odd
-    # weight is invertible mod 2**32, so any change of a single word changes the first sum.
-    first = jnp.sum(words * (2 * position + 1), dtype=jnp.uint32)
-    second = jnp.sum((words ^ (position * jnp.uint32(0x9E3779B9))) * jnp.uint32(0x85EBCA6B),
-                     dtype=jnp.uint32)
-    return jnp.stack([first, second])
+def _digests(arrays) -> tuple[list[str], list[int]]:
+    """Each array's digest (module doc) and count of NaN/Inf values, the same for any
+    sharding: each process adds up the shards it holds (one replica of each) in NumPy, and
+    one all-gather of every array's sums adds up the processes' (every process must call
+    it alike). uint32 sums wrap: exact, and independent of the order they are added in."""
+    sums = np.zeros((len(arrays), 3), np.uint32)
+    for i, array in enumerate(arrays):
+        if isinstance(array, jax.Array):
+            shards = [(s.data, s.index) for s in array.addressable_shards if s.replica_id == 0]
+        else:
+            shards = [(array, ())]
+        for data, index in shards:
+            sums[i] += _shard_sums(np.asarray(data), index, np.shape(array))
+    if jax.process_count() > 1:
+        sums = np.asarray(multihost_utils.process_allgather(sums)).sum(axis=0, dtype=np.uint32)
+    return [f"{a:08x}-{b:08x}" for a, b, _ in sums], [int(bad) for *_, bad in sums]
 
 
-@jax.jit
-def _count_nonfinite(array):
-    return jnp.sum(~jnp.isfinite(array))
+def _shard_sums(data: np.ndarray, index: tuple, shape: tuple) -> np.ndarray:
+    """``[first, second, non-finite count]`` of one shard at ``index`` of an array of
+    ``shape``: sums over its words of ``word * (2p + 1)`` and ``(word ^ p * 0x9E3779B9) *
+    0x85EBCA6B``, ``p`` the word's position in the whole array (C order). An odd weight is
+    invertible mod 2**32, so any change of a single word changes the first sum."""
+    data = np.ascontiguousarray(data)
+    bad = (np.count_nonzero(~np.isfinite(data))
+           if jax.dtypes.issubdtype(data.dtype, np.inexact) else 0)
+    position, stride = np.zeros((), np.uint64), 1
+    for k in reversed(range(len(shape))):
+        start, stop, _ = (index[k] if k < len(index) else slice(None)).indices(shape[k])
+        along = np.arange(start, stop, dtype=np.uint64) * np.uint64(stride)
+        position = position + along.reshape([-1 if j == k else 1 for j in range(len(shape))])
+        stride *= shape[k]
+    position = np.broadcast_to(position, data.shape).reshape(-1)
+    width = data.dtype.itemsize
+    if data.dtype == np.bool_:
+        words = data.view(np.uint8).reshape(-1).astype(np.uint32)
+    elif width < 4:
+        words = data.view(f"uint{8 * width}").reshape(-1).astype(np.uint32)
+    else:  # 4 bytes: one word; 8 bytes: two, in memory order
+        words = data.view(np.uint32).reshape(-1)
+        if width == 8:
+            position = (2 * position[:, None] + np.arange(2, dtype=np.uint64)).reshape(-1)
+    p = (position & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+    first = np.sum(words * (2 * p + 1), dtype=np.uint32)
+    second = np.sum((words ^ (p * np.uint32(0x9E3779B9))) * np.uint32(0x85EBCA6B), dtype=np.uint32)
+    return np.array([first, second, bad], np.uint32)
 
 
 def _nonfinite(key: str, array) -> str | None:
     """``"key (n of size values NaN/Inf)"`` when a floating array is not all finite."""
     if not jax.dtypes.issubdtype(array.dtype, np.inexact):
         return None
-    if _spans_processes(array):
-        bad = int(_count_nonfinite(array))
-    else:
-        bad = int(np.size(array) - np.count_nonzero(np.isfinite(np.asarray(array))))
-    return f"{key or '<root>'} ({bad} of {np.size(array)} values NaN/Inf)" if bad else None
+    bad = int(np.size(array) - np.count_nonzero(np.isfinite(np.asarray(array))))
+    return _nonfinite_note(key, bad, np.size(array))
+
+
+def _nonfinite_note(key: str, bad: int, size: int) -> str | None:
+    return f"{key or '<root>'} ({bad} of {size} values NaN/Inf)" if bad else None
 
 
 def _flatten(state, *, allow_nonfinite: bool) -> tuple[dict, dict]:
     """``{storage name: array}`` and the manifest ``{keystr(path): entry}`` of ``state``."""
-    arrays, manifest, nonfinite = {}, {}, []
+    arrays, manifest, nonfinite, spanning = {}, {}, [], []
     for i, (p, leaf) in enumerate(jax.tree_util.tree_flatten_with_path(state)[0]):
         key = jax.tree_util.keystr(p)
         if not isinstance(leaf, (jax.Array, np.ndarray, np.generic)):
@@ -402,19 +425,26 @@ def _flatten(state, *, allow_nonfinite: bool) -> tuple[dict, dict]:
         # Storage names are safe for any file system; the manifest maps paths to them.
         name = f"{i:05d}_" + re.sub(r"[^A-Za-z0-9]+", "_", key).strip("_")
         entry = {"name": name, "shape": list(leaf.shape), "dtype": str(leaf.dtype)}
+        check_finite = not allow_nonfinite and not _is_key(leaf.dtype)
         if _is_key(leaf.dtype):
             entry["key_impl"] = str(jax.random.key_impl(leaf))
             leaf = jax.random.key_data(leaf)
-        elif not allow_nonfinite and (bad := _nonfinite(key, leaf)):
-            nonfinite.append(bad)
-        if _spans_processes(leaf):
-            entry["digest"] = _global_digest(leaf)
+        if _spans_processes(leaf):  # checked below, all at once
+            spanning.append((key, entry, leaf, check_finite))
         else:
+            if check_finite and (bad := _nonfinite(key, leaf)):
+                nonfinite.append(bad)
             entry["sha256"] = _array_sha(leaf)
         arrays[name] = leaf
         manifest[key] = entry
     if not arrays:
         raise ValueError("state has no array leaves; there is nothing to checkpoint")
+    if spanning:
+        digests, bad_counts = _digests([leaf for _, _, leaf, _ in spanning])
+        for (key, entry, leaf, check_finite), digest, bad in zip(spanning, digests, bad_counts):
+            entry["digest"] = digest
+            if check_finite and (note := _nonfinite_note(key, bad, leaf.size)):
+                nonfinite.append(note)
     if nonfinite:
         raise NonFiniteStateError(
             f"state leaves hold NaN or Inf: {', '.join(nonfinite[:10])}"
@@ -466,20 +496,29 @@ def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, 
     if error is not None:  # outside the except: orbax's frames are released
         _collect_unfinished_reads()
         raise error
-    leaves = []
+    leaves, digested = [], []
     for p, leaf in paths_leaves:
         key = jax.tree_util.keystr(p)
         entry = leaves_manifest[key]
         array = arrays[entry["name"]]
-        if verify and (entry.get("sha256") and _array_sha(array) != entry["sha256"]
-                       or entry.get("digest") and _global_digest(array) != entry["digest"]):
-            raise _corrupt(path, step, f"leaf {key or '<root>'} (stored as {entry['name']} in "
-                                       f"{where / 'state'}) does not match its checksum")
+        if verify and entry.get("digest"):
+            digested.append((key, entry, array))  # checked below, all at once
+        if verify and entry.get("sha256") and _array_sha(array) != entry["sha256"]:
+            raise _corrupt(path, step, _mismatch(key, entry, where))
         if "key_impl" in entry:
             array = jax.random.wrap_key_data(array, impl=entry["key_impl"])
             array = jax.device_put(array, _sharding(leaf, key))
         leaves.append(array)
+    if digested:
+        for (key, entry, _), digest in zip(digested, _digests([a for *_, a in digested])[0]):
+            if digest != entry["digest"]:
+                raise _corrupt(path, step, _mismatch(key, entry, where))
     return leaves, metadata
+
+
+def _mismatch(key: str, entry: dict, where: pathlib.Path) -> str:
+    return (f"leaf {key or '<root>'} (stored as {entry['name']} in {where / 'state'}) does not "
+            "match its checksum")
 
 
 def _collect_unfinished_reads() -> None:
