@@ -1,10 +1,13 @@
-"""``on_mesh``: an array replicated over a mesh, shared by the train step (``jaxrec.nn``) and
-the sharded collections (``jaxrec.parallel``)."""
+"""``on_mesh`` / ``replicate``: arrays replicated over a mesh, shared by the train step
+(``jaxrec.nn``), the sharded collections (``jaxrec.parallel``) and ``jaxrec train``."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -26,3 +29,9 @@ def on_mesh(x, mesh: jax.sharding.Mesh):
         data = jax.device_put(np.asarray(jax.random.key_data(x)), target)
         return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
     return jax.device_put(np.asarray(x), target)
+
+
+def replicate(node, mesh: jax.sharding.Mesh) -> None:
+    """Places every array of the NNX ``node`` (a model, an optimizer) that is not on
+    ``mesh`` yet replicated over it."""
+    nnx.update(node, jax.tree.map(functools.partial(on_mesh, mesh=mesh), nnx.state(node)))

@@ -456,3 +456,25 @@ def test_shares_that_cannot_be_made_are_refused_clearly(tmp_path):
         CriteoReader(z, batch_size=1, num_embeddings_per_feature=5, shard=(0, 2))
     with pytest.raises(ValueError, match=r"shard must be \(k, n\)"):
         CriteoReader(a, batch_size=1, num_embeddings_per_feature=5, shard=(2, 2))
+
+
+def test_a_share_counts_its_lines_without_parsing_and_pads_with_empty_batches(tmp_path):
+    rows = make_rows(38, seed=2)
+    a = write_tsv(tmp_path / "a", rows[:23], final_newline=True)
+    b = tmp_path / "b"  # CRLF, a blank line, no final newline
+    b.write_bytes(("\r\n".join("\t".join(r) for r in rows[23:33]) + "\r\n\r\n"
+                   + "\t".join(rows[33])).encode())
+    c = write_tsv(tmp_path / "c", rows[34:])
+    kwargs = dict(batch_size=4, num_embeddings_per_feature=SIZES)
+    for n in (1, 2, 3, 7):
+        counts = []
+        for k in range(n):
+            reader = CriteoReader([a, b, c], **kwargs, shard=(k, n))
+            found = sum(labels.shape[0] for labels, *_ in reader.iter_rows())
+            counts.append(reader.count_lines())
+            assert found <= counts[-1] <= found + 1  # the blank line counts as a line
+        assert sum(counts) == 39
+    empty = CriteoReader(a, **kwargs).empty_batch()
+    real = next(iter(CriteoReader(a, **kwargs)))
+    assert [np.shape(x) for x in jax.tree.leaves(empty)] == [np.shape(x) for x in jax.tree.leaves(real)]
+    assert not np.asarray(empty.mask).any() and not np.asarray(empty.sparse.lengths()).any()

@@ -109,7 +109,6 @@ def test_what_several_processes_cannot_train_yet_is_refused_clearly(monkeypatch)
     for changes, why in [({"data": "movielens:x"}, "only the synthetic log and Criteo"),
                          ({"tt_ranks": (4, 4)}, "TT tables are not sharded"),
                          ({"table_optimizer": "plain"}, "use a fused table optimizer"),
-                         ({"epochs": 2, "steps": None, "data": "criteo:x"}, "count the run in --steps"),
                          ({"batch_size": 100}, "pass a multiple of 8")]:
         with pytest.raises(ValueError, match=f"2 processes: .*{why}"):
             _processes.check(TrainConfig(**changes))

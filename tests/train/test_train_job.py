@@ -238,3 +238,31 @@ def test_resume_without_a_checkpoint(tmp_path, capsys):
     assert main(["--checkpoint-dir", str(tmp_path / "none"), "--resume", "--steps", "2",
                  "--out-dir", str(tmp_path)]) == 1
     assert "no checkpoint in" in capsys.readouterr().err
+
+
+def test_each_process_pads_its_pass_of_a_criteo_file_to_the_longest(tmp_path, monkeypatch):
+    """--epochs on several processes: every share's pass has the longest share's length
+    (padding batches hold no rows), so that no process runs out while the others train."""
+    import itertools
+    import math
+
+    from jaxrec.data import CriteoReader
+    from jaxrec.train import _processes
+
+    path = tmp_path / "day_0"
+    write_criteo(path, 203)
+    readers = [CriteoReader(path, batch_size=8, num_embeddings_per_feature=50, shard=(k, 3))
+               for k in range(3)]
+    longest = max(math.ceil(r.count_lines() / 8) for r in readers)
+    monkeypatch.setattr(_processes, "largest", lambda value: longest)  # the all-gather's answer
+    held_out, rows = 2, 0
+    for r in readers:
+        one_pass = _processes.equal_passes(lambda _, r=r: itertools.islice(iter(r), held_out, None),
+                                           r, held_out)
+        for number in range(2):  # every pass alike
+            batches = list(one_pass(number))
+            assert len(batches) == longest - held_out
+            rows += int(sum(np.asarray(b.mask).sum() for b in batches))
+        rows += int(sum(np.asarray(b.mask).sum() for b in itertools.islice(iter(r), held_out)))
+    held = 3 * held_out * 8  # rows held out by the 3 shares, read once above
+    assert rows == 2 * (203 - held) + held  # two passes of every training row, no row twice

@@ -132,6 +132,22 @@ def _lines_between(f, start: int, end: int) -> Iterator[bytes]:
         yield line
 
 
+def _line_starts(f, start: int, end: int | None) -> int:
+    """Lines of binary file ``f`` that begin in bytes ``[start, end)`` (``end`` None: to the
+    end): the first byte of the file and every byte after a newline but the file's end."""
+    if start:
+        f.seek(start - 1)
+    count, previous, position = 0, b"\n" if start == 0 else f.read(1), start
+    while end is None or position < end:
+        block = f.read(1 << 20 if end is None else min(1 << 20, end - position))
+        if not block:
+            break
+        # a line begins at each byte whose predecessor is a newline
+        count += (previous == b"\n") + block[:-1].count(b"\n")
+        previous, position = block[-1:], position + len(block)
+    return count
+
+
 def _lines_before(path: Path, start: int) -> int:
     """Lines of a plain file before the first that begins at or after byte ``start``."""
     count, read, last = 0, 0, b"\n"
@@ -282,6 +298,27 @@ class CriteoReader:
                 f"the data is too small to split over {n} processes: pass more data or use "
                 "fewer processes."
             )
+
+    def empty_batch(self) -> Batch:
+        """A batch of padding rows only (mask 0, empty bags), shaped as the reader's."""
+        b = self.batch_size
+        return batch_from_ids(self.keys, np.full((b, CRITEO_NUM_SPARSE), -1, np.int64),
+                              np.zeros((b, CRITEO_NUM_DENSE), np.float32), np.zeros(b, np.float32), 0)
+
+    def count_lines(self) -> int:
+        """Lines of this reader's share (of every file with ``shard=(0, 1)``), blank ones
+        included: an upper bound of its rows, counted without parsing (several processes
+        agree on the length of a pass with it)."""
+        k, n = self.shard
+        count = 0
+        if n > 1 and any(p.suffix == ".gz" for p in self.paths):
+            pieces = [(path, 0, None) for path in self.paths[k::n]]
+        else:
+            pieces = [(path, *_byte_share(path, k, n)) for path in self.paths]
+        for path, start, end in pieces:
+            with _open(path) as f:
+                count += _line_starts(f, start, end)
+        return count
 
     def _parse(self, lines: list[bytes], table_sizes: np.ndarray, path: Path, first_line: int,
                start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import _step_guard
-from jaxrec._mesh import on_mesh
+from jaxrec._mesh import on_mesh, replicate
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
@@ -509,15 +509,8 @@ def shard(model: nnx.Module, plan: ShardingPlan, mesh: jax.sharding.Mesh, *,
             parent[path[-1]] = sharded(ebc)
         else:
             setattr(parent, path[-1], sharded(ebc))
-    replicate(model, mesh)
+    replicate(model, auto_mesh(mesh))
     return model
-
-
-def replicate(model: nnx.Module, mesh: jax.sharding.Mesh) -> None:
-    """Places every array of ``model`` that is not on ``mesh`` yet replicated over it."""
-    mesh = auto_mesh(mesh)
-    state = nnx.state(model)
-    nnx.update(model, jax.tree.map(functools.partial(on_mesh, mesh=mesh), state))
 
 
 def _on_device(message, any_bad, device, *report) -> str:

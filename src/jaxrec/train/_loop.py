@@ -54,6 +54,7 @@ from flax import nnx
 
 import jaxrec
 from jaxrec import NonFiniteError
+from jaxrec._mesh import replicate
 from jaxrec.checkpoint import (
     CheckpointLock,
     NonFiniteStateError,
@@ -66,7 +67,6 @@ from jaxrec.checkpoint import (
 from jaxrec.data import Prefetcher
 from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
 from jaxrec.parallel import load_portable_state, make_forward, portable_state
-from jaxrec.parallel._sharded_ebc import replicate
 from jaxrec.train import _processes
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves

@@ -16,21 +16,26 @@ run is one model over every process's devices:
 - process 0 alone writes metrics.json, curves.png and the progress lines, and holds the
   checkpoint directory's lock; every process writes its shards of each checkpoint.
 
-Checkpoints hold the plan-free (portable) state (``_loop.checkpoint_state``), so a run
-resumes on any number of processes. Refused for now, with the reason: MovieLens and click
-logs (their readers have no share per process yet), TT tables (no sharded TT collection),
-plain tables (their optax state mirrors the plan) and ``--epochs`` (the shares' passes
-differ in length, and a process that ran out first would wait for the others).
+With ``--epochs`` the shares' passes differ in length: every process pads its pass with
+empty batches (mask 0) to the longest share's, counted before training from the lines
+of each share (``equal_passes``), so that no process runs out while the others wait in a
+collective. Checkpoints hold the plan-free (portable) state (``_loop.checkpoint_state``),
+so a run resumes on any number of processes. Refused for now, with the reason: MovieLens
+and click logs (their dense rows are numbered from every rating's raw ids), TT tables (no
+sharded TT collection) and plain tables (their optax state mirrors the plan).
 """
 
 from __future__ import annotations
+
+import itertools
+import math
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from jaxrec import parallel
+from jaxrec import data, parallel
 from jaxrec.nn import EmbeddingBagCollection
 from jaxrec.train._config import TrainConfig
 
@@ -60,9 +65,6 @@ def check(config: TrainConfig) -> None:
         why = ("--table-optimizer plain: the optax state of sharded plain tables depends on the "
                "plan, so their checkpoints would not restore on another number of processes; "
                "use a fused table optimizer (the default rowwise_adagrad)")
-    elif config.epochs is not None:
-        why = ("--epochs: each process reads its own share, whose passes differ in length; "
-               "count the run in --steps")
     elif config.batch_size % devices:
         why = (f"--batch-size {config.batch_size} does not split over the {devices} devices of the "
                f"{n} processes; pass a multiple of {devices}")
@@ -116,3 +118,30 @@ def barrier(name: str) -> None:
     """Waits until every process got here (e.g. after process 0 renamed files)."""
     if several():
         multihost_utils.sync_global_devices(name)
+
+
+def largest(value: int) -> int:
+    """The largest ``value`` over the processes (one all-gather)."""
+    if not several():
+        return value
+    return int(np.max(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
+def equal_passes(one_pass, reader: data.CriteoReader, held_out: int):
+    """``one_pass`` (this share's training batches, after ``held_out`` batches) padded with
+    empty batches to the longest share's pass, an upper bound counted from every share's
+    lines: a step where some processes have no rows is a step of the others' rows."""
+    length = largest(math.ceil(reader.count_lines() / reader.batch_size)) - held_out
+    empty = reader.empty_batch()
+
+    def padded(number):
+        count = 0
+        for batch in one_pass(number):
+            count += 1
+            yield batch
+        if count > length:
+            raise RuntimeError(f"this process's pass gave {count} batches, more than the {length} "
+                               "its lines allow")
+        yield from itertools.repeat(empty, length - count)
+
+    return padded

@@ -24,6 +24,7 @@ from flax import nnx
 from jaxrec import data
 from jaxrec.models import DLRM, DLRM_DCN, TwoTower
 from jaxrec.nn import EmbeddingBagCollection
+from jaxrec.train import _processes
 from jaxrec.train._config import TrainConfig
 from jaxrec.train._processes import data_shard
 from jaxrec.train._retrieval import retrieval_task
@@ -110,6 +111,9 @@ def _ctr_task(config: TrainConfig) -> Task:
 
         def one_pass(_):  # each pass skips the held-out batches
             return itertools.islice(iter(reader), 2 * config.eval_batches, None)
+
+        if share[1] > 1 and config.epochs:  # every process's pass as long as the longest
+            one_pass = _processes.equal_passes(one_pass, reader, 2 * config.eval_batches)
 
         def train_batches(position):
             return itertools.islice(passes(config, one_pass, config.data_path), position, None)
