@@ -1,8 +1,8 @@
 """``jaxrec train`` as several processes (``jaxrec launch -n N -- train``, docs/multiprocess.md).
 
 One process trains on one device, its model unsharded. When ``jax.distributed`` has
-joined several processes (``--num-processes``, or ``jaxrec launch``'s environment), the
-run is one model over every process's devices:
+joined several processes (``--distributed`` and its flags, or ``jaxrec launch``'s
+environment), the run is one model over every process's devices:
 
 - the tables are sharded by the planner over a mesh of all devices, a process's devices
   one host (``Topology(local_world_size=jax.local_device_count())``); the dense part is
