@@ -103,10 +103,14 @@ def launch(command: Sequence[str], num_processes: int, *, cpu_devices: int | Non
             codes = [p.poll() for p in processes]
             failed = [(rank, c) for rank, c in enumerate(codes) if c not in (None, 0)]
             if failed:
-                rank, code = failed[0]
-                print(f"jaxrec launch: process {rank} of {num_processes} exited with code {code}; "
-                      "stopping the others", file=sys.stderr)
-                return code
+                # A process that fails takes its peers' collectives down with it, so several
+                # may have exited by now: all are named (the cause's own message is above).
+                ranks = " and ".join(str(rank) for rank, _ in failed)
+                exit_codes = " and ".join(str(c) for _, c in failed)
+                print(f"jaxrec launch: process{'es' if len(failed) > 1 else ''} {ranks} of "
+                      f"{num_processes} exited with code{'s' if len(failed) > 1 else ''} "
+                      f"{exit_codes}; stopping the others", file=sys.stderr)
+                return failed[0][1]
             if all(c == 0 for c in codes):
                 return 0
             if deadline is not None and time.monotonic() > deadline:
