@@ -1,5 +1,7 @@
 """``on_mesh`` / ``replicate``: arrays replicated over a mesh, shared by the train step
-(``jaxrec.nn``), the sharded collections (``jaxrec.parallel``) and ``jaxrec train``."""
+(``jaxrec.nn``), the sharded collections (``jaxrec.parallel``) and ``jaxrec train``;
+``to_host``: an array whole on the host, also across processes (the portable tables,
+checkpoints)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import functools
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,3 +38,11 @@ def replicate(node, mesh: jax.sharding.Mesh) -> None:
     """Places every array of the NNX ``node`` (a model, an optimizer) that is not on
     ``mesh`` yet replicated over it."""
     nnx.update(node, jax.tree.map(functools.partial(on_mesh, mesh=mesh), nnx.state(node)))
+
+
+def to_host(x) -> np.ndarray:
+    """The whole of ``x`` in this process's memory, also when it spans other processes'
+    devices (then all-gathered: every process must call it alike)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)

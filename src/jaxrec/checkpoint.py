@@ -76,6 +76,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from jaxrec._mesh import to_host
+
 __all__ = ["CheckpointCorruptError", "CheckpointLock", "CheckpointLockedError",
            "NonFiniteStateError", "RestoredMetadata", "all_steps", "latest_step", "read_metadata",
            "restore_checkpoint", "save_checkpoint"]
@@ -337,9 +339,7 @@ def _spans_processes(array) -> bool:
 def _array_sha(array) -> str:
     """SHA-256 of an array's bytes (C order); an array spanning several processes is
     gathered to every process first (restores only: saves digest such arrays)."""
-    if _spans_processes(array):
-        array = multihost_utils.process_allgather(array, tiled=True)
-    host = np.ascontiguousarray(np.asarray(array))
+    host = np.ascontiguousarray(to_host(array))
     return hashlib.sha256(host.reshape(-1).view(np.uint8)).hexdigest()
 
 

@@ -148,18 +148,6 @@ def _line_starts(f, start: int, end: int | None) -> int:
     return count
 
 
-def _lines_before(path: Path, start: int) -> int:
-    """Lines of a plain file before the first that begins at or after byte ``start``."""
-    count, read, last = 0, 0, b"\n"
-    with open(path, "rb") as f:
-        while read < start:
-            block = f.read(min(1 << 20, start - read))
-            if not block:
-                break
-            count, read, last = count + block.count(b"\n"), read + len(block), block[-1:]
-    return count + (last != b"\n")  # the line begun before start, ended inside the share
-
-
 def _check_paths(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> tuple[Path, ...]:
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
@@ -271,12 +259,8 @@ class CriteoReader:
         A file with no rows is a ``DataFormatError`` (with ``shard``: a share with none)."""
         table_sizes = np.asarray(self.table_sizes, np.uint64)
         k, n = self.shard
-        if n > 1 and any(p.suffix == ".gz" for p in self.paths):
-            pieces = [(path, 0, None) for path in self.paths[k::n]]
-        else:
-            pieces = [(path, *_byte_share(path, k, n)) for path in self.paths]
         rows_in_share = 0
-        for path, start, end in pieces:
+        for path, start, end in self._share():
             num_rows = 0
             with _open(path) as f:
                 lines = f if end is None else _lines_between(f, start, end)
@@ -309,16 +293,19 @@ class CriteoReader:
         """Lines of this reader's share (of every file with ``shard=(0, 1)``), blank ones
         included: an upper bound of its rows, counted without parsing (several processes
         agree on the length of a pass with it)."""
-        k, n = self.shard
         count = 0
-        if n > 1 and any(p.suffix == ".gz" for p in self.paths):
-            pieces = [(path, 0, None) for path in self.paths[k::n]]
-        else:
-            pieces = [(path, *_byte_share(path, k, n)) for path in self.paths]
-        for path, start, end in pieces:
+        for path, start, end in self._share():
             with _open(path) as f:
                 count += _line_starts(f, start, end)
         return count
+
+    def _share(self) -> list[tuple[Path, int, int | None]]:
+        """``(path, start, end)`` of each file this reader reads, ``end`` None: to the end
+        (``shard``: byte ranges of plain files, or every n-th ``.gz`` file)."""
+        k, n = self.shard
+        if n > 1 and any(p.suffix == ".gz" for p in self.paths):
+            return [(path, 0, None) for path in self.paths[k::n]]
+        return [(path, *_byte_share(path, k, n)) for path in self.paths]
 
     def _parse(self, lines: list[bytes], table_sizes: np.ndarray, path: Path, first_line: int,
                start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -332,7 +319,8 @@ class CriteoReader:
                 raise
         # A share that starts inside the file: count the lines before it (the error path
         # only) and parse again, which raises the same error with the file's line numbers.
-        first_line += _lines_before(path, start)
+        with open(path, "rb") as f:
+            first_line += _line_starts(f, 0, start)
         labels, raw_dense, ids = parse_lines(
             lines, table_sizes, path=path, first_line=first_line, missing=missing)
         self._transform(raw_dense, lines, path, first_line)

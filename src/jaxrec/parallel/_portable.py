@@ -25,13 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxrec._mesh import to_host
 from jaxrec.parallel._layout import DP, Group, ShardedLayout
 from jaxrec.parallel._types import ShardingType
 
@@ -42,14 +41,6 @@ def portable_sharding(mesh, axis: str, shape: tuple[int, ...]) -> NamedSharding:
     if len(shape) >= 1 and shape[0] % n == 0:
         return NamedSharding(mesh, P(axis))
     return NamedSharding(mesh, P())
-
-
-def to_host(x) -> np.ndarray:
-    """The whole of ``x`` in this process's memory, also when it spans other processes'
-    devices (then all-gathered: every process must call it alike)."""
-    if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(x)
 
 
 def pack_group(group: Group, num_devices: int, arrays: Mapping[int, np.ndarray], per_row: bool,
