@@ -19,6 +19,12 @@ each timed in this one process with the same dense part and dense optimizer (Ada
   cotangent: lookup, fused backward and update) and dense_only (the MLPs and the
   interaction on constant pooled embeddings).
 
+``--shape mlperf``: MLPerf Training's DLRM-DCNv2 (Criteo 1TB multi-hot): the 26 tables
+capped at 40M rows (204M rows, 52 GB in bfloat16; float32's 104 GB does not fit one GPU),
+MLPerf's multi-hot sizes (214 ids a sample, SUM pooling), ids log-uniform over each table
+(P(id) ~ 1/(id+1)), DCNv2 (3 cross layers, rank 512), bfloat16 tables with fused rowwise
+Adagrad; variants: the whole step and its two halves.
+
 A step's time is the median of 3 repeats of ``iters`` back-to-back steps (the host
 waits once per repeat) over 4 pre-generated batches already on the device; samples/s =
 batch / step time. Data loading is not part of it.
@@ -34,18 +40,24 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._report import write_json
-from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, SyntheticClickLog
+from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, Batch, SyntheticClickLog
 from jaxrec.models import DLRM, DLRM_DCN
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
 from jaxrec.optim import Adagrad, RowWiseAdagrad
-from jaxrec.sparse import KeyedTensor
+from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
 DIM, BOTTOM, TOP = 128, [512, 256, 128], [1024, 1024, 512, 256, 1]
+# MLPerf Training DLRM-DCNv2: Criteo 1TB's cardinalities capped at 40M rows, and ids per sample.
+MLPERF_ROWS = [40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956, 405282, 10,
+               2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152, 12973, 108, 36]
+MLPERF_MULTI_HOT = [3, 2, 1, 2, 6, 1, 1, 1, 1, 7, 3, 8, 1, 6, 9, 5, 1, 1, 1, 12, 100, 27, 10, 3, 1, 1]
+MLPERF_GLOBAL_BATCH, MLPERF_GPUS = 55296, 8  # HugeCTR's MLPerf Training submissions on 8 GPUs
 
 
 class EmbedArch(nnx.Module):
@@ -102,7 +114,24 @@ def bce(model, batch):
     return jnp.mean(optax.sigmoid_binary_cross_entropy(logits, batch.labels))
 
 
-def build(variant, keys, sizes, batch_size):
+def mlperf_batches(keys, sizes, batch_size, count, seed=0):
+    """``count`` batches of MLPerf's multi-hot shape, ids log-uniform over each table."""
+    rng = np.random.default_rng(seed)
+    hots = MLPERF_MULTI_HOT
+    lengths = np.repeat(np.asarray(hots, np.int32), batch_size)
+    out = []
+    for _ in range(count):
+        values = np.concatenate([
+            np.minimum(np.exp(rng.random(h * batch_size) * np.log(n)).astype(np.int64) - 1, n - 1)
+            for n, h in zip(sizes, hots)]).astype(np.int32)
+        sparse = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
+        dense = rng.standard_normal((batch_size, 13)).astype(np.float32)
+        labels = (rng.random(batch_size) < 0.25).astype(np.float32)
+        out.append(jax.device_put(Batch(dense, sparse, labels, np.ones(batch_size, np.float32))))
+    return out
+
+
+def build(variant, keys, sizes, batch_size, dtype="float32"):
     rngs = nnx.Rngs(0)
     if variant.startswith("plain"):
         sparse = EmbedArch(keys, sizes, DIM, rngs=rngs)
@@ -110,13 +139,13 @@ def build(variant, keys, sizes, batch_size):
         config = Adagrad(learning_rate=0.01) if "exact_adagrad" in variant else RowWiseAdagrad(
             learning_rate=0.01)
         tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM,
-                                     feature_names=[k]) for k, n in zip(keys, sizes)]
+                                     feature_names=[k], dtype=dtype) for k, n in zip(keys, sizes)]
         sparse = EmbeddingBagCollection(tables, optimizer=config, rngs=rngs)
     if variant == "embeddings_only":
         cotangent = jax.random.normal(jax.random.key(1), (batch_size, DIM * len(keys))) * 1e-3
         model = SparseOnly(sparse, cotangent)
         return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    if variant == "dense_only":
+    if variant.endswith("dense_only"):
         del sparse
         gc.collect()
         pooled = jax.random.normal(jax.random.key(1), (batch_size, DIM * len(keys))) * 0.1
@@ -145,9 +174,9 @@ def _labels(model):
 UNGUARDED = "_unguarded"  # the same step with on_nonfinite="ignore": what the guard costs
 
 
-def time_variant(variant, keys, sizes, batches, iters):
+def time_variant(variant, keys, sizes, batches, iters, dtype):
     base = variant.removesuffix(UNGUARDED)
-    model, optimizer = build(base, keys, sizes, batches[0].batch_size)
+    model, optimizer = build(base, keys, sizes, batches[0].batch_size, dtype)
     step = make_train_step(bce, on_nonfinite="ignore" if base != variant else "raise")
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, batches[0]))
@@ -180,33 +209,46 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=65536)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--only", help="comma-separated variants")
+    p.add_argument("--shape", choices=["kaggle", "mlperf"], default="kaggle",
+                   help="kaggle: one-hot Criteo Kaggle tables in float32; mlperf: MLPerf DLRM-DCNv2's "
+                        "multi-hot Criteo 1TB tables in bfloat16")
     args = p.parse_args(argv)
     max_rows = 10_000 if args.quick else None
     batch_size = 1024 if args.quick else args.batch_size
     log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES, max_rows=max_rows,
                             seed=0)
     start = time.perf_counter()
-    batches = [jax.device_put(b) for b in log.batches(batch_size, 4)]
+    if args.shape == "mlperf":
+        keys, dtype = log.keys, "bfloat16"
+        sizes = [min(n, max_rows or n) for n in MLPERF_ROWS]
+        batches = mlperf_batches(keys, sizes, batch_size, 4)
+        variants = ["dcn_fused_rowwise_adagrad", "embeddings_only", "dcn_dense_only"]
+    else:
+        keys, sizes, dtype = log.keys, log.table_sizes, "float32"
+        batches = [jax.device_put(b) for b in log.batches(batch_size, 4)]
+        variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED, "fused_exact_adagrad",
+                    "dcn_fused_rowwise_adagrad", "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
     data_s = time.perf_counter() - start
-    variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED, "fused_exact_adagrad",
-                "dcn_fused_rowwise_adagrad", "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
     if args.only:
         variants = args.only.split(",")
     device = jax.devices()[0]
     result = environment("dlrm_gpu", device.device_kind, {}, {})
-    result.update(batch_size=batch_size, embedding_dim=DIM, bottom_mlp=BOTTOM, top_mlp=TOP,
-                  table_rows=list(log.table_sizes), total_rows=int(sum(log.table_sizes)),
+    result.update(shape=args.shape, batch_size=batch_size, embedding_dim=DIM, table_dtype=dtype,
+                  bottom_mlp=BOTTOM, top_mlp=TOP, table_rows=list(sizes), total_rows=int(sum(sizes)),
                   synthetic_batch_generation_s=data_s / 4, runs=[])
+    if args.shape == "mlperf":
+        result.update(multi_hot_sizes=MLPERF_MULTI_HOT, ids_per_sample=sum(MLPERF_MULTI_HOT),
+                      mlperf_batch_per_gpu=MLPERF_GLOBAL_BATCH // MLPERF_GPUS)
     for variant in variants:
         try:
-            run = time_variant(variant, log.keys, log.table_sizes, batches, args.iters)
+            run = time_variant(variant, keys, sizes, batches, args.iters, dtype)
         except Exception as e:  # e.g. the plain peers running out of memory: record it
             run = {"variant": variant, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             gc.collect()
         result["runs"].append(run)
         print(run, file=sys.stderr, flush=True)
     base = {r["variant"]: r for r in result["runs"] if "step_ms" in r}
-    ours = base.get("fused_rowwise_adagrad")
+    ours = base.get("fused_rowwise_adagrad" if args.shape == "kaggle" else "dcn_fused_rowwise_adagrad")
     if ours:
         result["speedup_vs"] = {v: r["step_ms"] / ours["step_ms"] for v, r in base.items()}
     if args.out:

@@ -58,8 +58,12 @@ class FusedEmbeddingTables:
 
     @classmethod
     def create(cls, layout: TableLayout, config: C.OptimizerConfig, *, key=None, weights=None,
-               dtype=jnp.float32, name: str = "tables") -> FusedEmbeddingTables:
-        """New tables: ``weights`` as given, else ``init_weights(key, layout, dtype)``; zero state."""
+               dtype=jnp.float32, copy: bool = True, name: str = "tables") -> FusedEmbeddingTables:
+        """New tables: ``weights`` as given, else ``init_weights(key, layout, dtype)``; zero state.
+
+        Given ``weights`` are copied, since a train step donates the tables and must not
+        delete the caller's array; ``copy=False`` hands them over instead (an array that
+        nothing else holds, and a table that fits only once)."""
         if isinstance(config, C.NoOptimizer) or not isinstance(config, C.OptimizerConfig):
             raise TypeError(f"config must be a fused optimizer config (SGD, RowWiseAdagrad, ...), got "
                             f"{type(config).__name__}; NoOptimizer tables are plain embedding_bag_lookup "
@@ -68,9 +72,8 @@ class FusedEmbeddingTables:
             if key is None:
                 raise ValueError("FusedEmbeddingTables.create needs key= (to initialise the "
                                  "weights) or weights=")
-            weights = init_weights(key, layout, dtype)
-        # A copy: a train step donates the tables, and must not delete the caller's array.
-        return cls(jnp.array(weights, copy=True), init_state(config, layout), config.hyperparams(), layout,
+            weights, copy = init_weights(key, layout, dtype), False  # fresh: nothing else holds it
+        return cls(jnp.array(weights, copy=copy), init_state(config, layout), config.hyperparams(), layout,
                    config, name)
 
     @property

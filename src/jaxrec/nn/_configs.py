@@ -42,7 +42,8 @@ class EmbeddingConfig:
     weight_init_max: float | None = None
     """Upper bound of the uniform initialiser; default ``sqrt(1 / num_embeddings)``."""
     init_fn: Callable[[jax.Array, tuple[int, int], jnp.dtype], jax.Array] | None = None
-    """``init_fn(key, (rows, dim), float32) -> array``; replaces the uniform initialiser."""
+    """``init_fn(key, (rows, dim), float32) -> array``; replaces the uniform initialiser. It
+    runs under ``jax.jit`` (jax operations, no NumPy on the key)."""
     dtype: str = "float32"
     """Storage dtype of the table: float32, float16 or bfloat16 (outputs are float32)."""
 
@@ -69,8 +70,8 @@ class EmbeddingConfig:
     def init(self, key: jax.Array) -> jax.Array:
         """The initial ``[num_embeddings, embedding_dim]`` table, in float32."""
         shape = (self.num_embeddings, self.embedding_dim)
-        if self.init_fn is not None:
-            table = jnp.asarray(self.init_fn(key, shape, jnp.float32))
+        if self.init_fn is not None:  # jitted: the same values here as inside a jitted draw
+            table = jnp.asarray(jax.jit(self.init_fn, static_argnums=(1, 2))(key, shape, jnp.float32))
             if table.shape != shape:
                 raise ValueError(f"table {self.name!r}: init_fn returned shape {table.shape}, "
                                  f"expected {shape}")

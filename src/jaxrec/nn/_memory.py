@@ -37,21 +37,25 @@ def free_bytes(device: jax.Device | None = None) -> int | None:
         return None
 
 
-def check_fits(collection: str, tables: dict[str, int], state_bytes: int,
+def check_fits(collection: str, tables: dict[str, int], state_bytes: int, drawing_bytes: int,
                available: int | None = None) -> None:
-    """Raises ``ValueError`` when the tables (``{name: bytes}``; building one holds it
-    twice, its own array and the merged buffer) and ``state_bytes`` of optimizer slots
-    exceed the free memory of the default device."""
+    """Raises ``ValueError`` when the tables (``{name: bytes}``), ``drawing_bytes`` held
+    besides them while a group is drawn (``merge_drawn_tables``: a small group's tables
+    before they are merged, a large group's largest table) and ``state_bytes`` of
+    optimizer slots exceed the free memory of the default device."""
     available = free_bytes() if available is None else available
-    need = 2 * sum(tables.values()) + state_bytes
+    need = sum(tables.values()) + drawing_bytes + state_bytes
     if available is None or need <= available:
         return
     largest = max(tables, key=tables.get)
+    device = jax.devices()[0]
+    hint = (" (JAX's GPU allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of the memory, 0.75 "
+            "unless set)") if device.platform == "gpu" else ""
     raise ValueError(
         f"collection {collection!r} needs {need / _GIB:.2f} GiB to build its tables "
-        f"({sum(tables.values()) / _GIB:.2f} GiB of weights, held twice while merged, and "
-        f"{state_bytes / _GIB:.2f} GiB of optimizer state) but the device "
-        f"({jax.devices()[0].platform}) has {available / _GIB:.2f} GiB free; table "
+        f"({sum(tables.values()) / _GIB:.2f} GiB of weights, {drawing_bytes / _GIB:.2f} GiB more "
+        f"while they are drawn, and {state_bytes / _GIB:.2f} GiB of optimizer state) but the "
+        f"device ({device.platform}) has {available / _GIB:.2f} GiB free{hint}; table "
         f"{largest!r} alone takes {tables[largest] / _GIB:.2f} GiB. Cap num_embeddings "
         "(jaxrec train: --max-rows; re-index raw ids densely), use a smaller dtype, compress "
         "it (tt=TTConfig(...)) or shard the tables over devices (jaxrec.parallel).")

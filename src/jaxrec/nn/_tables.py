@@ -26,7 +26,7 @@ from jaxrec.nn._configs import EmbeddingConfig, group_tables
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
-from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup
+from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup, tbe_layout
 from jaxrec.ops.tbe_kjt import (
     bag_offsets,
     check_variable_batch,
@@ -63,13 +63,13 @@ class GroupedTables(TableCollection):
             if g.tt:  # a module of its own, holding a Param list or a FusedTables
                 variables.append(_tt_module(g.tables[0], optimizer, group_name, keys))
                 continue
-            flat = g.layout.merge_embedding_weights([t.init(keys[t.name]) for t in g.tables])
-            flat = flat.astype(g.dtype)
+            flat = tbe_layout.merge_drawn_tables(g.layout, lambda t, g=g: g.tables[t].init(keys[g.tables[t].name]),
+                                      g.dtype)
             if optimizer is None:
                 variables.append(nnx.Param(flat))
-            else:
+            else:  # flat is ours alone: handed over, not copied (MLPerf-sized tables fit once)
                 variables.append(FusedTables(FusedEmbeddingTables.create(
-                    g.layout, optimizer, weights=flat, name=group_name)))
+                    g.layout, optimizer, weights=flat, copy=False, name=group_name)))
         self.tables = nnx.List(variables)
 
     def split_embedding_weights(self) -> dict[str, jax.Array]:
@@ -212,15 +212,17 @@ def concat_in_order(blocks: Sequence[tuple[str, jax.Array]], keys: Sequence[str]
 
 def _check_fits(name: str, groups, optimizer: OptimizerConfig | None) -> None:
     """Refuses, before any allocation, tables that the default device cannot hold."""
-    sizes, state = {}, 0
+    sizes, state, drawing = {}, 0, 0
     for g in groups:
         if g.tt:  # compressed: the cores are small
             continue
         itemsize = jnp.dtype(g.dtype).itemsize
-        for t in g.tables:
-            sizes[t.name] = t.num_embeddings * t.embedding_dim * itemsize
+        group = {t.name: t.num_embeddings * t.embedding_dim * itemsize for t in g.tables}
+        sizes.update(group)
+        in_place = sum(group.values()) >= tbe_layout.IN_PLACE_BYTES
+        drawing = max(drawing, max(group.values()) if in_place else sum(group.values()))
         if optimizer is not None:
             shapes = jax.eval_shape(lambda layout=g.layout: init_state(optimizer, layout))
             state += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     if sizes:
-        check_fits(name, sizes, state)
+        check_fits(name, sizes, state, drawing)
