@@ -13,7 +13,6 @@ from flax import nnx
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection, EmbeddingConfig, make_train_step
 from jaxrec.ops import TableLayout, embedding_bag_lookup_kjt, init_weights
 from jaxrec.optim import RowWiseAdagrad
-from jaxrec.parallel import shard_batch
 from jaxrec.sparse import KeyedJaggedTensor
 
 KEYS = ["user", "user_hist", "item"]
@@ -155,12 +154,9 @@ def test_collection_trains_as_on_the_expanded_batch(platform, fused):
         np.testing.assert_allclose(got_tables[name], want_tables[name], rtol=1e-5, atol=1e-6)
 
 
-def test_per_id_and_sharded_collections_refuse_variable_batches():
+def test_per_id_collections_refuse_variable_batches():
     vbe, _ = variable_batch(np.random.default_rng(5), 4, [2, 2, 4])
     ec = EmbeddingCollection([EmbeddingConfig(name="t", num_embeddings=40, embedding_dim=4, feature_names=KEYS)],
                              rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="needs pooled tables"):
         ec(vbe)
-    mesh = jax.sharding.Mesh(np.asarray(jax.devices("cpu")[:2]), ("data",))
-    with pytest.raises(ValueError, match="sharded collections take KJTs of one stride"):
-        shard_batch(vbe, mesh)

@@ -189,7 +189,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
         if not isinstance(features, KeyedJaggedTensor):
             raise TypeError(f"features must be a KeyedJaggedTensor, got {type(features).__name__}")
-        refuse_variable_batch(features)
+        features, inverse = _bags_of_variable_batch(features, self.name)
         try:
             me = jax.lax.axis_index(self.axis_name)
         except NameError:
@@ -235,6 +235,10 @@ class ShardedEmbeddingBagCollection(TableCollection):
             outputs[group.kind].append(out if group.kind == DP else (out, False))
         pooled = _dist.assemble(layout, outputs, self.axis_name, batch, self.comm_dtype)
         dims = [layout.tables[t].dim for t in layout.feature_table]
+        if inverse is not None:  # each feature's bags taken at its samples' inverse indices
+            columns = np.concatenate([[0], np.cumsum(dims)])
+            pooled = jnp.concatenate([pooled[:, columns[f]:columns[f + 1]][inverse[name]]
+                                      for f, name in enumerate(layout.features)], axis=1)
         return KeyedTensor(list(layout.features), dims, pooled)
 
     def _group_bound(self, group):
@@ -415,12 +419,24 @@ def _max_ids(bound, features: Sequence[str]) -> tuple[int, ...]:
     return tuple(int(given.get(f, 0)) for f in features)
 
 
-def refuse_variable_batch(kjt: KeyedJaggedTensor) -> None:
-    """Sharded collections take KJTs of one stride (a clear error for a VBE KJT)."""
-    if kjt.variable_stride_per_key():
-        raise ValueError("sharded collections take KJTs of one stride: a variable-batch (VBE) KJT "
-                         "works with the unsharded EmbeddingBagCollection only, for now; expand it to "
-                         "the full batch first (each key's bags taken at its inverse_indices)")
+def _bags_of_variable_batch(features: KeyedJaggedTensor, name: str):
+    """``(KJT of one stride, {key: inverse indices} or None)``: a variable-batch KJT as
+    ``shard_batch`` gives it to each device (every key holding as many bags as samples)
+    is looked up as a KJT of one stride, one pooled row per bag, then expanded."""
+    if not features.variable_stride_per_key():
+        return features, None
+    strides = features.stride_per_key()
+    inverse = features.inverse_indices_or_none()
+    if inverse is None or inverse[1].shape[1] != features.stride() or len(set(strides)) != 1:
+        raise ValueError(
+            f"ShardedEmbeddingBagCollection {name!r} takes a variable-batch (VBE) KJT as "
+            "jaxrec.parallel.shard_batch places it, every key holding one bag per sample of the "
+            f"device (padded with empty bags) and inverse_indices; got stride_per_key={strides} for "
+            f"{None if inverse is None else inverse[1].shape[1]} samples. Pass the global batch through "
+            "shard_batch")
+    plain = KeyedJaggedTensor(features.keys(), features.values(), weights=features.weights_or_none(),
+                              lengths=features.lengths(), stride=features.stride())
+    return plain, dict(zip(inverse[0], inverse[1]))
 
 
 def _ids_by_feature(kjt: KeyedJaggedTensor, features: Sequence[str]) -> list[np.ndarray]:

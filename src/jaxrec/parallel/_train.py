@@ -18,6 +18,15 @@ axis, and each device sees its own slice without that axis: arrays ``[N * B, ...
 ``[N, B, ...]``; a KeyedJaggedTensor of stride N * B becomes N KJTs of stride B whose
 capacities are padded to one static size (the largest device's ids, bucketed). A device
 may have fewer real samples (padding rows, mask 0) or no ids at all.
+
+A variable-batch KJT (VBE: ``stride_per_key_per_rank`` and ``inverse_indices``) is split
+by samples too: device d gets, for each key, the bags that its B samples use, each once,
+then empty bags up to B, and inverse indices into them. Every device's KJT then holds B
+bags per key (one static shape), and its ids are only those of its distinct bags::
+
+    # full batch of 4 on 2 devices, key "user": bags [u0, u1], inverse [0, 1, 1, 1]
+    # device 0: samples 0, 1 -> bags [u0, u1], inverse [0, 1]
+    # device 1: samples 2, 3 -> bags [u1, (empty)], inverse [0, 0]
 """
 
 from __future__ import annotations
@@ -34,11 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxrec._mesh import on_mesh
 from jaxrec.nn import TableCollection
-from jaxrec.parallel._sharded_ebc import (
-    ShardedEmbeddingBagCollection,
-    auto_mesh,
-    refuse_variable_batch,
-)
+from jaxrec.parallel._sharded_ebc import ShardedEmbeddingBagCollection, auto_mesh
 from jaxrec.sparse import KeyedJaggedTensor, capacity_bucket
 
 
@@ -130,6 +135,8 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
         if len(parts) != n:
             raise ValueError(f"per_device=True needs one batch per device: got {len(parts)} "
                              f"batches for {n} devices")
+        parts = [jax.tree.map(lambda x: _used_bags(x, 0, x.stride()) if _is_vbe(x) else x, p,
+                              is_leaf=lambda x: isinstance(x, KeyedJaggedTensor)) for p in parts]
     else:
         parts = [_slice(batch, d, n) for d in range(n)]
     is_kjt = lambda x: isinstance(x, KeyedJaggedTensor)
@@ -190,8 +197,20 @@ def _slice(tree, d: int, n: int):
     return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, KeyedJaggedTensor))
 
 
+def _is_vbe(x) -> bool:
+    return isinstance(x, KeyedJaggedTensor) and x.variable_stride_per_key()
+
+
 def _slice_kjt(kjt: KeyedJaggedTensor, d: int, n: int) -> KeyedJaggedTensor:
-    refuse_variable_batch(kjt)
+    if kjt.variable_stride_per_key():
+        if kjt.inverse_indices_or_none() is None:
+            raise ValueError("a variable-batch (VBE) KJT needs inverse_indices to be split over "
+                             "devices by sample; build it with inverse_indices=(keys, int[num_keys, batch])")
+        full = kjt.inverse_indices()[1].shape[1]
+        if full % n:
+            raise ValueError(f"the VBE KJT's batch (its inverse_indices' {full} samples) is not a "
+                             f"multiple of the {n} devices; pad the batch with empty rows")
+        return _used_bags(kjt, d * (full // n), (d + 1) * (full // n))
     stride = kjt.stride()
     if stride % n:
         raise ValueError(f"the KJT's stride (batch size) {stride} is not a multiple of the {n} "
@@ -207,12 +226,40 @@ def _slice_kjt(kjt: KeyedJaggedTensor, d: int, n: int) -> KeyedJaggedTensor:
                              weights=None if weights is None else weights[take], stride=b)
 
 
+def _used_bags(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
+    """Samples ``[lo, hi)`` of a VBE KJT: per key, the bags they use (each once, in order),
+    then empty bags up to ``hi - lo``, and inverse indices into them (module doc)."""
+    keys, b = kjt.keys(), hi - lo
+    inverse = np.asarray(kjt.inverse_indices()[1])[:, lo:hi]
+    lengths = np.asarray(kjt.lengths(), np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    first_bag = np.concatenate([[0], np.cumsum(kjt.stride_per_key())])
+    bags, local = [], np.empty((len(keys), b), np.int32)
+    new_lengths = np.zeros((len(keys), b), np.int32)
+    for k in range(len(keys)):
+        used, local[k] = np.unique(inverse[k], return_inverse=True)
+        bags.append(first_bag[k] + used)
+        new_lengths[k, :used.size] = lengths[bags[-1]]
+    bags = np.concatenate(bags).astype(np.int64)
+    counts = lengths[bags]
+    take = np.repeat(starts[bags] - np.cumsum(counts) + counts, counts) + np.arange(counts.sum())
+    weights = kjt.weights_or_none()
+    return KeyedJaggedTensor(
+        keys, np.asarray(kjt.values())[take], lengths=new_lengths.ravel(),
+        weights=None if weights is None else np.asarray(weights)[take],
+        stride_per_key_per_rank=[[b]] * len(keys), inverse_indices=(keys, local))
+
+
 def _fit(kjt: KeyedJaggedTensor, capacity: int) -> KeyedJaggedTensor:
     values = np.asarray(kjt.values())[:int(np.asarray(kjt.lengths()).sum())]
     weights = kjt.weights_or_none()
     weights = None if weights is None else np.asarray(weights)[:values.shape[0]]
     pad = capacity - values.shape[0]
+    vbe = {}
+    if kjt.variable_stride_per_key():
+        vbe = {"stride_per_key_per_rank": kjt.stride_per_key_per_rank(),
+               "inverse_indices": (kjt.keys(), np.asarray(kjt.inverse_indices()[1]))}
     return KeyedJaggedTensor(
         kjt.keys(), np.pad(values, (0, pad)), lengths=np.asarray(kjt.lengths(), np.int32),
-        weights=None if weights is None else np.pad(weights, (0, pad)), stride=kjt.stride(),
-        capacity=capacity)
+        weights=None if weights is None else np.pad(weights, (0, pad)),
+        stride=None if vbe else kjt.stride(), capacity=capacity, **vbe)
