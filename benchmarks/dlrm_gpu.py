@@ -23,7 +23,12 @@ each timed in this one process with the same dense part and dense optimizer (Ada
 capped at 40M rows (204M rows, 52 GB in bfloat16; float32's 104 GB does not fit one GPU),
 MLPerf's multi-hot sizes (214 ids a sample, SUM pooling), ids log-uniform over each table
 (P(id) ~ 1/(id+1)), DCNv2 (3 cross layers, rank 512), bfloat16 tables with fused rowwise
-Adagrad; variants: the whole step and its two halves.
+Adagrad; variants: the whole step and its two halves, with float32 MLPs and, as
+``..._bf16_dense``, with the MLPs, interaction and cross net in bfloat16 (``dtype=``).
+
+``--devices N``: the whole fused model with its tables sharded over N GPUs by the planner
+(built sharded: each table goes to the host once drawn, so no GPU holds them all), the
+dense part data parallel, ``--batch-size`` per GPU.
 
 A step's time is the median of 3 repeats of ``iters`` back-to-back steps (the host
 waits once per repeat) over 4 pre-generated batches already on the device; samples/s =
@@ -44,6 +49,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+import jaxrec.parallel as par
 from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._report import write_json
 from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, Batch, SyntheticClickLog
@@ -115,7 +121,7 @@ def bce(model, batch):
 
 
 def mlperf_batches(keys, sizes, batch_size, count, seed=0):
-    """``count`` batches of MLPerf's multi-hot shape, ids log-uniform over each table."""
+    """``count`` host batches of MLPerf's multi-hot shape, ids log-uniform over each table."""
     rng = np.random.default_rng(seed)
     hots = MLPERF_MULTI_HOT
     lengths = np.repeat(np.asarray(hots, np.int32), batch_size)
@@ -127,11 +133,34 @@ def mlperf_batches(keys, sizes, batch_size, count, seed=0):
         sparse = KeyedJaggedTensor.from_lengths_sync(keys, values, lengths)
         dense = rng.standard_normal((batch_size, 13)).astype(np.float32)
         labels = (rng.random(batch_size) < 0.25).astype(np.float32)
-        out.append(jax.device_put(Batch(dense, sparse, labels, np.ones(batch_size, np.float32))))
+        out.append(Batch(dense, sparse, labels, np.ones(batch_size, np.float32)))
     return out
 
 
-def build(variant, keys, sizes, batch_size, dtype="float32"):
+def build_sharded(variant, keys, sizes, dtype, mesh, ids_per_bag, dense_dtype=None):
+    """The model with its tables sharded over ``mesh`` by the planner (HBM cap: 0.8 of a
+    GPU's allocator; each feature's ``ids_per_bag`` as its pooling factor, so that the
+    devices get even shares of the ids), built sharded: no device ever holds all the tables."""
+    if variant not in ("fused_rowwise_adagrad", "dcn_fused_rowwise_adagrad"):
+        raise ValueError(f"--devices > 1 times the whole fused model only, not {variant!r}")
+    config = RowWiseAdagrad(learning_rate=0.01)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM, feature_names=[k],
+                                 dtype=dtype) for k, n in zip(keys, sizes)]
+    n = mesh.devices.size
+    cap = int((mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit", 16 << 30) * 0.8)
+    constraints = {t.name: par.ParameterConstraints(pooling_factors=(float(h),))
+                   for t, h in zip(tables, ids_per_bag)}
+    plan = par.EmbeddingShardingPlanner(par.Topology(world_size=n, local_world_size=n, hbm_cap=cap),
+                                        optimizer=config, constraints=constraints).plan(tables)
+    ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=config, rngs=nnx.Rngs(0))
+    rngs = nnx.Rngs(1)
+    model = (DLRM_DCN(ebc, 13, BOTTOM, TOP, dcn_num_layers=3, dcn_low_rank_dim=512, dtype=dense_dtype, rngs=rngs)
+             if "dcn" in variant else DLRM(ebc, 13, BOTTOM, TOP, dtype=dense_dtype, rngs=rngs))
+    model = par.shard(model, plan, mesh)  # the dense part replicated
+    return model, nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+
+
+def build(variant, keys, sizes, batch_size, dtype="float32", dense_dtype=None):
     rngs = nnx.Rngs(0)
     if variant.startswith("plain"):
         sparse = EmbedArch(keys, sizes, DIM, rngs=rngs)
@@ -151,9 +180,10 @@ def build(variant, keys, sizes, batch_size, dtype="float32"):
         pooled = jax.random.normal(jax.random.key(1), (batch_size, DIM * len(keys))) * 0.1
         sparse = FixedSparse(keys, pooled)
     if "dcn" in variant:
-        model = DLRM_DCN(sparse, 13, BOTTOM, TOP, dcn_num_layers=3, dcn_low_rank_dim=512, rngs=rngs)
+        model = DLRM_DCN(sparse, 13, BOTTOM, TOP, dcn_num_layers=3, dcn_low_rank_dim=512, dtype=dense_dtype,
+                         rngs=rngs)
     else:
-        model = DLRM(sparse, 13, BOTTOM, TOP, rngs=rngs)
+        model = DLRM(sparse, 13, BOTTOM, TOP, dtype=dense_dtype, rngs=rngs)
     if variant == "plain_sgd":
         tx = optax.multi_transform({"tables": optax.sgd(0.01), "dense": optax.adam(1e-3)},
                                    _labels(model))
@@ -172,12 +202,19 @@ def _labels(model):
 
 
 UNGUARDED = "_unguarded"  # the same step with on_nonfinite="ignore": what the guard costs
+BF16_DENSE = "_bf16_dense"  # the MLPs, interaction and cross net computed in bfloat16 (dtype=)
 
 
-def time_variant(variant, keys, sizes, batches, iters, dtype):
+def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per_bag=None):
+    guarded = not variant.endswith(UNGUARDED)
     base = variant.removesuffix(UNGUARDED)
-    model, optimizer = build(base, keys, sizes, batches[0].batch_size, dtype)
-    step = make_train_step(bce, on_nonfinite="ignore" if base != variant else "raise")
+    dense_dtype = jnp.bfloat16 if base.endswith(BF16_DENSE) else None
+    base = base.removesuffix(BF16_DENSE)
+    if mesh is None:
+        model, optimizer = build(base, keys, sizes, batches[0].batch_size, dtype, dense_dtype)
+    else:
+        model, optimizer = build_sharded(base, keys, sizes, dtype, mesh, ids_per_bag, dense_dtype)
+    step = make_train_step(bce, on_nonfinite="raise" if guarded else "ignore")
     start = time.perf_counter()
     jax.block_until_ready(step(model, optimizer, batches[0]))
     compile_s = time.perf_counter() - start
@@ -194,10 +231,22 @@ def time_variant(variant, keys, sizes, batches, iters, dtype):
     step_s = statistics.median(times)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))  # fused slots included
     optax_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(optimizer.opt_state))
+    placement = {}
+    if mesh is not None:  # where the planner put each table, and each device's ids per sample
+        plan = next(m for _, m in nnx.iter_modules(model) if isinstance(m, par.ShardedEmbeddingBagCollection)).plan
+        placement["plan"] = {name: [ps.sharding_type.value, [s.device for s in ps.shards]]
+                             for name, ps in plan.shardings}
+        rows, hots = ({f"t_{k}": x for k, x in zip(keys, xs)} for xs in (sizes, ids_per_bag))
+        per_device = [0.0] * mesh.devices.size
+        for name, ps in plan.shardings:
+            for s in ps.shards:  # a row-wise table's ids spread as its rows (uniform ids)
+                per_device[s.device] += hots[name] * s.num_rows / rows[name]
+        placement["ids_per_sample_per_device"] = per_device
     del model, optimizer, step
     gc.collect()
-    return {"variant": variant, "step_ms": step_s * 1e3, "samples_per_s": batches[0].batch_size / step_s,
-            "compile_s": compile_s, "final_loss": float(loss), "model_state_gb": model_bytes / 1e9,
+    samples = batches[0].labels.size  # the global batch (a sharded one is [devices, per device])
+    return {"variant": variant, "step_ms": step_s * 1e3, "samples_per_s": samples / step_s,
+            "compile_s": compile_s, "final_loss": float(loss), "model_state_gb": model_bytes / 1e9, **placement,
             "optax_state_gb": optax_bytes / 1e9,
             "repeats_ms": [t * 1e3 for t in times]}
 
@@ -212,7 +261,13 @@ def main(argv=None) -> int:
     p.add_argument("--shape", choices=["kaggle", "mlperf"], default="kaggle",
                    help="kaggle: one-hot Criteo Kaggle tables in float32; mlperf: MLPerf DLRM-DCNv2's "
                         "multi-hot Criteo 1TB tables in bfloat16")
+    p.add_argument("--devices", type=int, default=1,
+                   help="shard the tables over this many GPUs (the planner's plan); --batch-size is "
+                        "then per GPU")
     args = p.parse_args(argv)
+    mesh = None
+    if args.devices > 1:
+        mesh = jax.make_mesh((args.devices,), ("data",), devices=jax.devices()[:args.devices])
     max_rows = 10_000 if args.quick else None
     batch_size = 1024 if args.quick else args.batch_size
     log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES, max_rows=max_rows,
@@ -221,19 +276,27 @@ def main(argv=None) -> int:
     if args.shape == "mlperf":
         keys, dtype = log.keys, "bfloat16"
         sizes = [min(n, max_rows or n) for n in MLPERF_ROWS]
-        batches = mlperf_batches(keys, sizes, batch_size, 4)
-        variants = ["dcn_fused_rowwise_adagrad", "embeddings_only", "dcn_dense_only"]
+        batches = mlperf_batches(keys, sizes, batch_size * args.devices, 4)
+        variants = ["dcn_fused_rowwise_adagrad", "dcn_fused_rowwise_adagrad" + BF16_DENSE, "embeddings_only",
+                    "dcn_dense_only", "dcn_dense_only" + BF16_DENSE]
     else:
         keys, sizes, dtype = log.keys, log.table_sizes, "float32"
-        batches = [jax.device_put(b) for b in log.batches(batch_size, 4)]
+        batches = list(log.batches(batch_size * args.devices, 4))
         variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED, "fused_exact_adagrad",
                     "dcn_fused_rowwise_adagrad", "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
+    if mesh is None:
+        batches = [jax.device_put(b) for b in batches]
+    else:
+        batches = [par.shard_batch(b, mesh) for b in batches]
+        variants = [v for v in variants if v.removesuffix(BF16_DENSE) in ("fused_rowwise_adagrad",
+                                                                           "dcn_fused_rowwise_adagrad")]
     data_s = time.perf_counter() - start
     if args.only:
         variants = args.only.split(",")
     device = jax.devices()[0]
     result = environment("dlrm_gpu", device.device_kind, {}, {})
-    result.update(shape=args.shape, batch_size=batch_size, embedding_dim=DIM, table_dtype=dtype,
+    result.update(shape=args.shape, devices=args.devices, batch_size_per_device=batch_size,
+                  batch_size=batch_size * args.devices, embedding_dim=DIM, table_dtype=dtype,
                   bottom_mlp=BOTTOM, top_mlp=TOP, table_rows=list(sizes), total_rows=int(sum(sizes)),
                   synthetic_batch_generation_s=data_s / 4, runs=[])
     if args.shape == "mlperf":
@@ -241,7 +304,8 @@ def main(argv=None) -> int:
                       mlperf_batch_per_gpu=MLPERF_GLOBAL_BATCH // MLPERF_GPUS)
     for variant in variants:
         try:
-            run = time_variant(variant, keys, sizes, batches, args.iters, dtype)
+            run = time_variant(variant, keys, sizes, batches, args.iters, dtype, mesh,
+                               MLPERF_MULTI_HOT if args.shape == "mlperf" else [1] * len(keys))
         except Exception as e:  # e.g. the plain peers running out of memory: record it
             run = {"variant": variant, "error": f"{type(e).__name__}: {str(e)[:300]}"}
             gc.collect()

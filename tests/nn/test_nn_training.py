@@ -117,6 +117,33 @@ def test_ctr_models_learn_the_synthetic_log(model_cls):
     assert after > 0.68 and after > before + 0.1, (before, after, ceiling)
 
 
+@pytest.mark.parametrize("model_cls", [DLRM, DLRM_DCN])
+def test_a_bfloat16_dense_part_tracks_the_float32_one(model_cls):
+    """dtype=bfloat16: the MLPs, interaction and cross net compute in bfloat16 on float32
+    parameters; logits, parameters and their gradients stay float32 and follow the float32
+    model to bfloat16's precision; trained alike, the two losses stay close."""
+    log = click_log(rows=50, features=4, seed=5)
+    kwargs = {"dcn_num_layers": 2, "dcn_low_rank_dim": 8} if model_cls is DLRM_DCN else {}
+    models = [build(model_cls, log, RowWiseAdagrad(learning_rate=0.1), **kwargs, dtype=dtype)
+              for dtype in (None, jnp.bfloat16)]
+    batches = list(log.batches(128, 4))
+    logits = [nnx.jit(lambda m, b: m(b.dense, b.sparse))(m, batches[0]) for m in models]
+    assert logits[1].dtype == jnp.float32 and float(jnp.std(logits[0])) > 0.01
+    np.testing.assert_allclose(logits[1], logits[0], atol=0.03 * float(jnp.abs(logits[0]).max()))
+    grads = [nnx.jit(nnx.grad(bce))(m, batches[0]) for m in models]
+    for g32, g16 in zip(jax.tree.leaves(grads[0]), jax.tree.leaves(grads[1])):
+        assert g16.dtype == jnp.float32
+        cosine = jnp.vdot(g32, g16) / (jnp.linalg.norm(g32) * jnp.linalg.norm(g16) + 1e-30)
+        assert float(cosine) > 0.98, float(cosine)
+    losses = []
+    for model in models:
+        optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+        step = make_train_step(bce)
+        losses.append([float(step(model, optimizer, b)) for b in batches])
+        assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    np.testing.assert_allclose(losses[1], losses[0], rtol=0.02)
+
+
 def test_two_tower_matrix_factorisation_fits_ratings():
     rng = np.random.default_rng(0)
     users, items, dim = 40, 30, 4

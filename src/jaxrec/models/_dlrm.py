@@ -7,6 +7,10 @@
 DLRM's interaction is the dense vector plus the pairwise dot products of all F + 1
 vectors; DLRM_DCN's is a low-rank cross network over their concatenation [B, (F + 1) D].
 Every table of the collection must have the dense arch's output dim D.
+
+``dtype=jnp.bfloat16`` runs the MLPs, the interaction and the cross network in bfloat16
+(mixed precision: parameters, their gradients and optax stay float32; the pooled
+embeddings are cast to it; the logits come back float32), flax's ``dtype`` convention.
 """
 
 from __future__ import annotations
@@ -25,11 +29,12 @@ from jaxrec.sparse import KeyedJaggedTensor
 class OverArch(nnx.Module):
     """``MLP(layer_sizes[:-1])`` then a final ``Linear`` without activation (the logits)."""
 
-    def __init__(self, in_features: int, layer_sizes: Sequence[int], *, rngs: nnx.Rngs):
+    def __init__(self, in_features: int, layer_sizes: Sequence[int], *, dtype=None, rngs: nnx.Rngs):
         if len(layer_sizes) < 1:
             raise ValueError("over_arch_layer_sizes needs at least one size (the output's)")
-        self.mlp = MLP(in_features, layer_sizes[:-1], rngs=rngs)
-        self.out = nnx.Linear(([in_features] + list(layer_sizes))[-2], layer_sizes[-1], rngs=rngs)
+        self.mlp = MLP(in_features, layer_sizes[:-1], dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(([in_features] + list(layer_sizes))[-2], layer_sizes[-1], dtype=dtype,
+                              rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.out(self.mlp(x))
@@ -51,26 +56,27 @@ class DLRM(nnx.Module):
       dense_in_features: dense features per sample (13 for Criteo).
       dense_arch_layer_sizes: bottom MLP; the last size is the embedding dim D.
       over_arch_layer_sizes: top MLP; the last size is the number of logits (1).
+      dtype: the dense part's computation dtype (module doc); None: float32.
     """
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int], *,
-                 rngs: nnx.Rngs):
+                 dtype=None, rngs: nnx.Rngs):
         dim = _sparse_dim(embedding_bag_collection, dense_arch_layer_sizes[-1])
         num_features = len(embedding_bag_collection.feature_names)
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes, rngs=rngs)
+        self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes, dtype=dtype, rngs=rngs)
         self.over_arch = OverArch(dim + num_features * (num_features + 1) // 2,
-                                  over_arch_layer_sizes, rngs=rngs)
+                                  over_arch_layer_sizes, dtype=dtype, rngs=rngs)
 
     def interact(self, dense: jax.Array, sparse: jax.Array) -> jax.Array:
         return pairwise_dot_interaction(dense, sparse)
 
     def __call__(self, dense_features: jax.Array, sparse_features: KeyedJaggedTensor) -> jax.Array:
         dense = self.dense_arch(dense_features)
-        pooled = self.sparse_arch(sparse_features).values()
+        pooled = self.sparse_arch(sparse_features).values().astype(dense.dtype)
         sparse = pooled.reshape(pooled.shape[0], -1, dense.shape[1])
-        return self.over_arch(self.interact(dense, sparse))
+        return self.over_arch(self.interact(dense, sparse)).astype(jnp.float32)
 
 
 class DLRM_DCN(DLRM):  # noqa: N801 (TorchRec's name)
@@ -81,13 +87,13 @@ class DLRM_DCN(DLRM):  # noqa: N801 (TorchRec's name)
 
     def __init__(self, embedding_bag_collection: EmbeddingBagCollection, dense_in_features: int,
                  dense_arch_layer_sizes: Sequence[int], over_arch_layer_sizes: Sequence[int], *,
-                 dcn_num_layers: int = 3, dcn_low_rank_dim: int = 512, rngs: nnx.Rngs):
+                 dcn_num_layers: int = 3, dcn_low_rank_dim: int = 512, dtype=None, rngs: nnx.Rngs):
         dim = _sparse_dim(embedding_bag_collection, dense_arch_layer_sizes[-1])
         width = dim * (len(embedding_bag_collection.feature_names) + 1)
         self.sparse_arch = embedding_bag_collection
-        self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes, rngs=rngs)
-        self.crossnet = LowRankCrossNet(width, dcn_num_layers, dcn_low_rank_dim, rngs=rngs)
-        self.over_arch = OverArch(width, over_arch_layer_sizes, rngs=rngs)
+        self.dense_arch = MLP(dense_in_features, dense_arch_layer_sizes, dtype=dtype, rngs=rngs)
+        self.crossnet = LowRankCrossNet(width, dcn_num_layers, dcn_low_rank_dim, dtype=dtype, rngs=rngs)
+        self.over_arch = OverArch(width, over_arch_layer_sizes, dtype=dtype, rngs=rngs)
 
     def interact(self, dense: jax.Array, sparse: jax.Array) -> jax.Array:
         flat = jnp.concatenate([dense, sparse.reshape(sparse.shape[0], -1)], axis=1)

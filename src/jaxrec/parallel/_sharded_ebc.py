@@ -35,7 +35,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import _step_guard
-from jaxrec._mesh import on_mesh, replicate
+from jaxrec._mesh import on_mesh, replicate, to_host
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
@@ -150,8 +150,9 @@ class ShardedEmbeddingBagCollection(TableCollection):
         self.feature_names = self.layout.features
         self.row_return_capacity = (0,) * len(self.layout.groups)  # fit_row_return sizes it
         self.dropped_ids = DroppedIds(jnp.zeros((), jnp.int32))
-        if initial is None:
-            initial = {t.name: {"weights": t.init(rngs.params())} for t in tables}  # config order
+        if initial is None:  # keys drawn in config order; each table to the host at once, in its
+            # dtype, so that the default device never holds more than one (MLPerf's 40M-row ones)
+            initial = {t.name: {"weights": to_host(t.init(rngs.params()).astype(t.dtype))} for t in tables}
         self.tables = nnx.List(self._variables(initial))
 
     # -- TorchRec's accessors (and jaxrec.nn.TableCollection's) ---------------------------
