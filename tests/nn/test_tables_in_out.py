@@ -115,3 +115,27 @@ def test_merge_inverts_split_for_every_state_layout(config):
         assert got.keys() == want.keys()
         for name in want:
             np.testing.assert_array_equal(got[name], want[name])
+
+
+@pytest.mark.parametrize("optimizer", [None, optim.Adam(learning_rate=0.1)], ids=["plain", "fused"])
+def test_portable_tables_are_host_copies_of_the_tables_and_state(optimizer):
+    """The checkpoint form is cut from one host copy of each buffer (NumPy), so a save never
+    holds a second copy of the tables on the device; it equals the device's own split."""
+    ebc = EmbeddingBagCollection(TABLES, optimizer=optimizer, rngs=nnx.Rngs(0))
+    if optimizer is not None:  # a trained state, not zeros
+        rng = np.random.default_rng(0)
+        ebc.set_optimizer_states({n: {k: rng.uniform(0.1, 1.0, v.shape).astype(np.float32) for k, v in s.items()}
+                                  for n, s in ebc.split_optimizer_states().items()}, step=3)
+    portable = ebc.portable_tables()
+    weights = ebc.split_embedding_weights()
+    states = ebc.split_optimizer_states() if optimizer is not None else {}
+    assert portable.keys() == weights.keys()
+    for name, fields in portable.items():
+        assert all(isinstance(x, np.ndarray) for x in fields.values()), name
+        np.testing.assert_array_equal(fields["weights"], weights[name])
+        for field, value in states.get(name, {}).items():
+            assert np.asarray(value).min() > 0
+            np.testing.assert_array_equal(fields[field], value)
+        if states:
+            assert int(fields["step"]) == 3
+        assert set(fields) == {"weights"} | (set(states[name]) | {"step"} if states else set())

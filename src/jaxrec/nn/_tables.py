@@ -18,8 +18,10 @@ from collections.abc import Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
+from jaxrec._mesh import to_host
 from jaxrec.fused import FusedEmbeddingTables, fused_lookup
 from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
@@ -131,19 +133,24 @@ class GroupedTables(TableCollection):
                                  f"all of them, got {given}")
             var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
 
-    def portable_tables(self) -> dict[str, dict[str, jax.Array]]:
-        """Each table's weights, fused optimizer state and step: the plan-free form of
-        ``ShardedEmbeddingBagCollection.portable_tables``, so that a sharded model's
-        checkpoint restores into this collection (``jaxrec.parallel.load_portable_state``)."""
+    def portable_tables(self) -> dict[str, dict[str, np.ndarray]]:
+        """Each table's weights, fused optimizer state and step, as NumPy arrays: the
+        plan-free form of ``ShardedEmbeddingBagCollection.portable_tables``, so that a
+        sharded model's checkpoint restores into this collection
+        (``jaxrec.parallel.load_portable_state``). Each group's buffers are copied to the
+        host whole and cut there: a checkpoint of tables that fill the device never needs
+        a second copy of them on it."""
         if any(g.tt for g in self.groups):
             raise NotImplementedError(f"collection {self.name!r} has TT tables, which have no portable form")
-        out = {name: {"weights": w} for name, w in self.split_embedding_weights().items()}
-        if self.fused:
-            for name, states in self.split_optimizer_states().items():
-                out[name].update(states)
-            for g, var in zip(self.groups, self.tables):
-                for t in g.tables:
-                    out[t.name]["step"] = var.get_value().step
+        out = {}
+        for g, var in zip(self.groups, self.tables):
+            host = jax.tree.map(to_host, var.get_value())
+            flat = host.weights if self.fused else host
+            for t, w in zip(g.tables, g.layout.split_embedding_weights(flat)):
+                out[t.name] = {"weights": w}
+            if self.fused:
+                for t, states in zip(g.tables, host.split_optimizer_states()):
+                    out[t.name].update(states, step=host.step)
         return out
 
     def load_portable_tables(self, portable: Mapping[str, Mapping[str, jax.Array]]) -> None:

@@ -164,10 +164,10 @@ class TableLayout:
         return values.view(np.int32)
 
     def split_embedding_weights(self, weights: jax.Array) -> list[jax.Array]:
-        """Per-table ``[rows, dim]`` views of the flat buffer (FBGEMM's name)."""
+        """Per-table ``[rows, dim]`` views of the flat buffer (FBGEMM's name); a NumPy
+        buffer gives NumPy views."""
         _check_weights(self, weights)
-        return [jax.lax.dynamic_slice_in_dim(weights, off, r * d).reshape(r, d)
-                for off, r, d in zip(self.table_offsets, self.rows, self.dims)]
+        return [weights[off:off + r * d].reshape(r, d) for off, r, d in zip(self.table_offsets, self.rows, self.dims)]
 
     def merge_embedding_weights(self, tables: Sequence[jax.Array]) -> jax.Array:
         """The flat buffer from per-table ``[rows, dim]`` arrays (inverse of the split)."""
