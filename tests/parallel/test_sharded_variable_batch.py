@@ -119,3 +119,28 @@ def test_a_variable_batch_not_placed_by_shard_batch_is_refused():
         par.make_forward(lambda m, k: m.sparse_arch(k).values())(sharded, per_device)
     with pytest.raises(ValueError, match="not a multiple of the 7 devices"):
         par.shard_batch(vbe_batch(3).sparse, mesh(7))
+
+
+def test_per_device_variable_batches_of_fewer_bags_than_samples():
+    """shard_batch(per_device=True) pads each device's VBE KJT to B bags per key, also when
+    every key holds fewer (its stride is then below B); each device's output is the
+    unsharded collection's on that device's batch."""
+    rng = np.random.default_rng(7)
+    parts = []
+    for _ in range(N):
+        strides = [int(rng.integers(1, B)) for _ in KEYS]  # every key deduplicated
+        lengths = [rng.integers(0, 4, size=s) for s in strides]
+        values = np.concatenate([rng.integers(0, ROWS[k], size=ls.sum()) for k, ls in zip(KEYS, lengths)])
+        inverse = np.stack([rng.integers(0, s, size=B) for s in strides]).astype(np.int32)
+        parts.append(KeyedJaggedTensor(KEYS, values.astype(np.int32), lengths=np.concatenate(lengths),
+                                       stride_per_key_per_rank=[[s] for s in strides],
+                                       inverse_indices=(KEYS, inverse), capacity=256))
+    assert all(p.stride() < B for p in parts)
+    reference = build(Adam(learning_rate=0.1))
+    sharded = par.shard(build(Adam(learning_rate=0.1)), plan("mixed"), mesh())
+    got = par.make_forward(lambda m, k: m.sparse_arch(k).values())(
+        sharded, par.shard_batch(parts, mesh(), per_device=True))
+    for d, part in enumerate(parts):
+        want = np.asarray(reference.sparse_arch(part).values())
+        assert want.shape[0] == B and np.abs(want).max() > 0
+        np.testing.assert_allclose(np.asarray(got[d]), want, rtol=RTOL, atol=ATOL)

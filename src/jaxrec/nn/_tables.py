@@ -65,8 +65,8 @@ class GroupedTables(TableCollection):
             if g.tt:  # a module of its own, holding a Param list or a FusedTables
                 variables.append(_tt_module(g.tables[0], optimizer, group_name, keys))
                 continue
-            flat = tbe_layout.merge_drawn_tables(g.layout, lambda t, g=g: g.tables[t].init(keys[g.tables[t].name]),
-                                      g.dtype)
+            flat = tbe_layout.merge_drawn_tables(
+                g.layout, lambda t, tables=g.tables: tables[t].init(keys[tables[t].name]), g.dtype)
             if optimizer is None:
                 variables.append(nnx.Param(flat))
             else:  # flat is ours alone: handed over, not copied (MLPerf-sized tables fit once)

@@ -135,7 +135,7 @@ def shard_batch(batch, mesh: jax.sharding.Mesh, *, axis_name: str | None = None,
         if len(parts) != n:
             raise ValueError(f"per_device=True needs one batch per device: got {len(parts)} "
                              f"batches for {n} devices")
-        parts = [jax.tree.map(lambda x: _used_bags(x, 0, x.stride()) if _is_vbe(x) else x, p,
+        parts = [jax.tree.map(lambda x: _used_bags(x, 0, _samples(x)) if _is_vbe(x) else x, p,
                               is_leaf=lambda x: isinstance(x, KeyedJaggedTensor)) for p in parts]
     else:
         parts = [_slice(batch, d, n) for d in range(n)]
@@ -201,12 +201,17 @@ def _is_vbe(x) -> bool:
     return isinstance(x, KeyedJaggedTensor) and x.variable_stride_per_key()
 
 
+def _samples(kjt: KeyedJaggedTensor) -> int:
+    """The batch of a VBE KJT: its inverse indices' samples."""
+    if kjt.inverse_indices_or_none() is None:
+        raise ValueError("a variable-batch (VBE) KJT needs inverse_indices to be split over "
+                         "devices by sample; build it with inverse_indices=(keys, int[num_keys, batch])")
+    return kjt.inverse_indices()[1].shape[1]
+
+
 def _slice_kjt(kjt: KeyedJaggedTensor, d: int, n: int) -> KeyedJaggedTensor:
     if kjt.variable_stride_per_key():
-        if kjt.inverse_indices_or_none() is None:
-            raise ValueError("a variable-batch (VBE) KJT needs inverse_indices to be split over "
-                             "devices by sample; build it with inverse_indices=(keys, int[num_keys, batch])")
-        full = kjt.inverse_indices()[1].shape[1]
+        full = _samples(kjt)
         if full % n:
             raise ValueError(f"the VBE KJT's batch (its inverse_indices' {full} samples) is not a "
                              f"multiple of the {n} devices; pad the batch with empty rows")
@@ -227,7 +232,7 @@ def _slice_kjt(kjt: KeyedJaggedTensor, d: int, n: int) -> KeyedJaggedTensor:
 
 
 def _used_bags(kjt: KeyedJaggedTensor, lo: int, hi: int) -> KeyedJaggedTensor:
-    """Samples ``[lo, hi)`` of a VBE KJT: per key, the bags they use (each once, in order),
+    """Samples ``[lo, hi)`` of a VBE KJT: per key, the bags they use (each once, in bag order),
     then empty bags up to ``hi - lo``, and inverse indices into them (module doc)."""
     keys, b = kjt.keys(), hi - lo
     inverse = np.asarray(kjt.inverse_indices()[1])[:, lo:hi]
