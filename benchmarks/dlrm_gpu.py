@@ -138,18 +138,15 @@ def mlperf_batches(keys, sizes, batch_size, count, seed=0):
 
 
 def build_sharded(variant, keys, sizes, dtype, mesh, dense_dtype=None):
-    """The model with its tables sharded over ``mesh`` by the planner (HBM cap: 0.8 of a
-    GPU's allocator; no constraints: it takes every bag for one id, which the committed
+    """The model with its tables sharded over ``mesh`` by the planner (``Topology``'s
+    default HBM cap: 0.8 of a GPU's allocator; no constraints: it takes every bag for one id, which the committed
     2-GPU run measured), built sharded: no device ever holds all the tables."""
     if variant not in ("fused_rowwise_adagrad", "dcn_fused_rowwise_adagrad"):
         raise ValueError(f"--devices > 1 times the whole fused model only, not {variant!r}")
     config = RowWiseAdagrad(learning_rate=0.01)
     tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM, feature_names=[k],
                                  dtype=dtype) for k, n in zip(keys, sizes)]
-    n = mesh.devices.size
-    cap = int((mesh.devices.flat[0].memory_stats() or {}).get("bytes_limit", 16 << 30) * 0.8)
-    plan = par.EmbeddingShardingPlanner(par.Topology(world_size=n, local_world_size=n, hbm_cap=cap),
-                                        optimizer=config).plan(tables)
+    plan = par.EmbeddingShardingPlanner(par.Topology(world_size=mesh.devices.size), optimizer=config).plan(tables)
     ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=config, rngs=nnx.Rngs(0))
     rngs = nnx.Rngs(1)
     model = (DLRM_DCN(ebc, 13, BOTTOM, TOP, dcn_num_layers=3, dcn_low_rank_dim=512, dtype=dense_dtype, rngs=rngs)

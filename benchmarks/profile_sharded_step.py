@@ -42,7 +42,7 @@ from jaxrec.nn import EmbeddingBagConfig, make_train_step
 from jaxrec.optim import RowWiseAdagrad
 
 sys.path.insert(0, os.path.dirname(__file__))
-from sharded_dlrm_gpu import FULL, _memory_cap, bce
+from sharded_dlrm_gpu import FULL, bce
 from sharded_host_time import DispatchTimer
 
 DEFAULT_CASES = ("row_wise:1:bfloat16:1:rows,row_wise:4:bfloat16:1:rows,"
@@ -55,7 +55,7 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
     constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
     optimizer = RowWiseAdagrad(learning_rate=0.01)
-    topology = par.Topology(world_size=n, hbm_cap=_memory_cap(devices[0]), batch_size=batch)
+    topology = par.Topology(world_size=n, batch_size=batch)
     plan = par.EmbeddingShardingPlanner(topology, optimizer=optimizer,
                                         constraints=constraints).plan(tables)
     ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=optimizer,

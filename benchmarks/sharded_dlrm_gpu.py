@@ -234,7 +234,7 @@ def weak_scaling(devices, cfg: dict, sizes: list[int]) -> dict:
         for n in sizes:
             mesh = jax.sharding.Mesh(np.asarray(devices[:n]), ("data",))
             constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
-            topology = par.Topology(world_size=n, hbm_cap=_memory_cap(devices[0]), batch_size=b)
+            topology = par.Topology(world_size=n, batch_size=b)
             plan = par.EmbeddingShardingPlanner(topology, optimizer=optimizer,
                                                 constraints=constraints).plan(tables)
             ebc = par.ShardedEmbeddingBagCollection(tables, plan, mesh, optimizer=optimizer,
@@ -312,11 +312,6 @@ def variants(comm_dtypes: list[str], bounds: list[int | None],
                 if rows:
                     out.append((label + "+no_row_return", kind, dtype, bound, False))
     return out
-
-
-def _memory_cap(device) -> int:
-    stats = device.memory_stats() or {}
-    return int(stats.get("bytes_limit", 64 << 30) * 0.8)
 
 
 def main(argv=None) -> int:

@@ -148,3 +148,21 @@ def test_plain_small_tables_go_data_parallel_and_too_big_plans_fail_clearly():
         par.EmbeddingShardingPlanner(par.Topology(world_size=2, hbm_cap=1 << 20)).plan(
             [par.TableSpec("huge", 10**6, 64, ("x",))])
     np.testing.assert_allclose(par.Topology(world_size=1, hbm_cap=1).send_seconds(1e9), 0.0)
+
+
+def test_the_default_hbm_cap_is_most_of_the_device_allocator(monkeypatch):
+    """Without hbm_cap, the topology takes 0.8 of the first local device's bytes_limit, or
+    16 GiB where the device does not report one (the CPU)."""
+    import jax
+
+    device = jax.local_devices()[0]
+    limit = (device.memory_stats() or {}).get("bytes_limit", 16 << 30)
+    assert par.Topology(world_size=2).hbm_cap == int(limit * 0.8)
+
+    class Reporting:
+        def memory_stats(self):
+            return {"bytes_limit": 80 << 30}
+
+    monkeypatch.setattr(jax, "local_devices", lambda: [Reporting()])
+    assert par.Topology(world_size=2).hbm_cap == int((80 << 30) * 0.8)
+    assert par.Topology(world_size=2, hbm_cap=5).hbm_cap == 5

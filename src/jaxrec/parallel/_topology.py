@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+
 from jaxrec.parallel._types import ShardingType, as_sharding_type
 
 
@@ -18,9 +20,10 @@ class Topology:
 
     world_size: int
     """Devices along the mesh axis that carries the batch."""
-    hbm_cap: int
+    hbm_cap: int | None = None
     """Bytes per device that the plan may use (weights, optimizer state, buffers); leave
-    room for the dense part and XLA's workspace."""
+    room for the dense part and XLA's workspace. Default: 0.8 of what the first local
+    device's allocator may hold (``bytes_limit``), or 16 GiB where it does not say (CPU)."""
     local_world_size: int | None = None
     """Devices per host (default: all on one host)."""
     batch_size: int = 512
@@ -35,6 +38,9 @@ class Topology:
     def __post_init__(self):
         local = self.world_size if self.local_world_size is None else self.local_world_size
         object.__setattr__(self, "local_world_size", int(local))
+        if self.hbm_cap is None:
+            stats = jax.local_devices()[0].memory_stats() or {}
+            object.__setattr__(self, "hbm_cap", int(stats.get("bytes_limit", 16 << 30) * 0.8))
         if self.world_size < 1 or local < 1 or self.world_size % local:
             raise ValueError(f"need world_size >= 1 and local_world_size dividing it, got "
                              f"world_size={self.world_size}, local_world_size={local}")

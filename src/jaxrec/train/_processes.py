@@ -85,9 +85,7 @@ def shard_model(model, config: TrainConfig):
     (ebc,) = [m for _, m in nnx.iter_modules(model)
               if isinstance(m, EmbeddingBagCollection)]
     n = jax.device_count()
-    stats = jax.local_devices()[0].memory_stats() or {}
     topology = parallel.Topology(world_size=n, local_world_size=jax.local_device_count(),
-                                 hbm_cap=int(stats.get("bytes_limit", 16 << 30) * 0.8),
                                  batch_size=config.batch_size // n)
     plan = parallel.EmbeddingShardingPlanner(topology, optimizer=ebc.optimizer).plan(ebc.table_configs)
     return parallel.shard(model, plan, mesh()), plan
