@@ -1,0 +1,89 @@
+"""The dynamic vocabulary's hash table (jaxrec.ops.hash_table, the jnp implementation) on
+the GPU, at HierarchicalKV's benchmark shape: 2^27 slots (HKV: 128M), buckets of 128,
+int64 keys, 1M keys a call, at load factors 0.5 / 0.75 / 0.9 / 1.0.
+
+    python benchmarks/hash_table_gpu.py --out benchmarks/results/hash_table_<device>.json
+
+For each load factor the table is filled with random distinct keys (find_or_insert, LRU),
+then timed: ``find`` of 1M keys it holds and ``find_or_insert`` of 1M new keys (at 1.0
+every insert evicts), the median of 5 calls each, next to a device-to-device copy of the
+table's key array in the same process (the copy ceiling). Keys/s = 1M / time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+import time
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrec.benchmark._environment import environment  # noqa: E402
+from jaxrec.benchmark._report import write_json  # noqa: E402
+from jaxrec.ops import hash_table as ht  # noqa: E402
+
+
+def timed(fn, *args, repeats=5):
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out")
+    p.add_argument("--log2-capacity", type=int, default=27)
+    p.add_argument("--batch", type=int, default=1 << 20)
+    args = p.parse_args(argv)
+    capacity, n = 1 << args.log2_capacity, args.batch
+    rng = np.random.default_rng(0)
+    table = ht.create(capacity, bucket_size=128, dtype=jnp.int64)
+    insert = jax.jit(functools.partial(ht.find_or_insert, policy="lru"), donate_argnums=0)
+    find = jax.jit(ht.find)
+    copy = jax.jit(lambda x: x + 0)
+    ceiling_s = timed(copy, table.keys)
+    result = environment("hash_table_gpu", jax.devices()[0].device_kind, {}, {})
+    result.update(capacity=capacity, bucket_size=128, key_dtype="int64", keys_per_call=n,
+                  copy_ceiling_gb_s=2 * table.keys.nbytes / ceiling_s / 1e9, runs=[])
+    present, step = None, 0
+    for load in (0.5, 0.75, 0.9, 1.0):
+        while int(ht.stats(table)["size"]) < int(load * capacity) - n // 2:
+            keys = jnp.asarray(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64))
+            _, table, _ = insert(table, keys, step)
+            step += 1
+            present = keys  # the newest keys: held whatever the evictions
+        size = int(ht.stats(table)["size"])
+        find_s = timed(find, table, present)
+        new = [jnp.asarray(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)) for _ in range(6)]
+        insert_times = []
+        for keys in new:  # each call inserts 1M new keys (the table grows, or evicts at 1.0)
+            start = time.perf_counter()
+            slots, table, info = insert(table, keys, step)
+            jax.block_until_ready(slots)
+            insert_times.append(time.perf_counter() - start)
+            step += 1
+        insert_s = statistics.median(insert_times[1:])
+        run = {"load_factor": size / capacity, "find_ms": find_s * 1e3, "find_keys_per_s": n / find_s,
+               "find_or_insert_ms": insert_s * 1e3, "find_or_insert_keys_per_s": n / insert_s,
+               "evicted_last_call": int(info.evicted), "failed_last_call": int(info.failed)}
+        result["runs"].append(run)
+        print(run, flush=True)
+        present = new[-1]
+    if args.out:
+        write_json(args.out, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
