@@ -138,9 +138,9 @@ def mlperf_batches(keys, sizes, batch_size, count, seed=0):
 
 
 def build_sharded(variant, keys, sizes, dtype, mesh, dense_dtype=None):
-    """The model with its tables sharded over ``mesh`` by the planner (``Topology``'s
-    default HBM cap: 0.8 of a GPU's allocator; no constraints: it takes every bag for one id, which the committed
-    2-GPU run measured), built sharded: no device ever holds all the tables."""
+    """The model with its tables sharded over ``mesh`` by the planner, built sharded (no
+    device ever holds all the tables). The planner gets no constraints, so it takes every
+    bag for one id: what the committed 2-GPU run measured (docs/nn.md)."""
     if variant not in ("fused_rowwise_adagrad", "dcn_fused_rowwise_adagrad"):
         raise ValueError(f"--devices > 1 times the whole fused model only, not {variant!r}")
     config = RowWiseAdagrad(learning_rate=0.01)
