@@ -13,13 +13,15 @@
   out, the portable form); sharded collections and new table kinds implement it.
 - ``TTEmbeddingBag``: FBTT's tensor-train compressed embedding bag; inside a collection,
   a table becomes TT with ``EmbeddingBagConfig(tt=TTConfig(...))``.
+- ``DynamicVocab``: ``EmbeddingBagConfig(dynamic=DynamicVocab())`` takes raw ids, each
+  given its own row by a hash table (docs/dynamic_vocab.md).
 - ``MLP``, ``LowRankCrossNet``: the dense building blocks of DLRM and DCN.
 
 Linen users: wrap a module with ``flax.nnx.bridge.to_linen`` (docs/nn.md).
 """
 
 from jaxrec.nn._collection import TableCollection
-from jaxrec.nn._configs import EmbeddingBagConfig, EmbeddingConfig, TTConfig
+from jaxrec.nn._configs import DynamicVocab, EmbeddingBagConfig, EmbeddingConfig, TTConfig
 from jaxrec.nn._embedding_bag_collection import EmbeddingBagCollection
 from jaxrec.nn._embedding_collection import EmbeddingCollection
 from jaxrec.nn._fused_variable import FusedTables
@@ -36,6 +38,7 @@ __all__ = [
     "FusedTables",
     "LowRankCrossNet",
     "TTConfig",
+    "DynamicVocab",
     "TableCollection",
     "TTEmbeddingBag",
     "TrainStep",

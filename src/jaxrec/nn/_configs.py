@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec.ops import WEIGHT_DISTS, PoolingMode, TableLayout, TTLayout
+from jaxrec.ops.hash_table import POLICIES as EVICTIONS
 from jaxrec.ops.tbe_layout import as_pooling_mode
 from jaxrec.optim import OptimizerConfig
 
@@ -67,9 +68,10 @@ class EmbeddingConfig:
             raise ValueError(f"table {self.name!r}: dtype must be one of {_DTYPES}, got {self.dtype!r}")
         object.__setattr__(self, "dtype", dtype)
 
-    def init(self, key: jax.Array) -> jax.Array:
-        """The initial ``[num_embeddings, embedding_dim]`` table, in float32."""
-        shape = (self.num_embeddings, self.embedding_dim)
+    def init(self, key: jax.Array, rows: int | None = None) -> jax.Array:
+        """The initial ``[num_embeddings, embedding_dim]`` table, in float32; ``rows``: that
+        many rows drawn alike (a dynamic table's new rows)."""
+        shape = (self.num_embeddings if rows is None else rows, self.embedding_dim)
         if self.init_fn is not None:  # jitted: the same values here as inside a jitted draw
             table = jnp.asarray(jax.jit(self.init_fn, static_argnums=(1, 2))(key, shape, jnp.float32))
             if table.shape != shape:
@@ -111,6 +113,26 @@ class TTConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class DynamicVocab:
+    """Makes a pooled table a dynamic vocabulary (``EmbeddingBagConfig(dynamic=DynamicVocab())``):
+    its ids are any int32 (int64 with ``jax_enable_x64``) values, each given its own row
+    by a hash table (``jaxrec.ops.hash_table``) of ``num_embeddings`` slots, inserted while
+    training, evicted by ``eviction`` when their bucket is full (docs/dynamic_vocab.md)."""
+
+    eviction: str = "lru"
+    """``"lru"`` (last step seen), ``"lfu"`` (times seen) or ``"none"`` (a full bucket
+    refuses new ids: they look up nothing)."""
+    bucket_size: int = 128
+    """Slots per bucket; ``num_embeddings`` must be a multiple of it."""
+
+    def __post_init__(self):
+        if self.eviction not in EVICTIONS:
+            raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
+        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
+            raise ValueError(f"bucket_size must be an int >= 1, got {self.bucket_size!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class EmbeddingBagConfig(EmbeddingConfig):
     """A pooled table (TorchRec's ``EmbeddingBagConfig``): each bag of ids becomes one row."""
 
@@ -119,6 +141,9 @@ class EmbeddingBagConfig(EmbeddingConfig):
     tt: TTConfig | None = None
     """Store the table as tensor-train cores (FBTT) instead of a dense matrix; float32 only.
     A TT table is looked up on its own (not batched with the dense tables)."""
+    dynamic: DynamicVocab | None = None
+    """Take raw ids, each mapped to its own row by a hash table (a dynamic vocabulary);
+    looked up on its own. Needs a fused optimizer."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -134,6 +159,16 @@ class EmbeddingBagConfig(EmbeddingConfig):
             if self.dtype != "float32":
                 raise ValueError(f"table {self.name!r}: TT tables are float32, got dtype={self.dtype!r}")
             self.tt_layout()  # validates the factorisation now, not at the first lookup
+        if self.dynamic is not None:
+            if not isinstance(self.dynamic, DynamicVocab):
+                raise TypeError(f"table {self.name!r}: dynamic must be a jaxrec.nn.DynamicVocab, got "
+                                f"{type(self.dynamic).__name__}")
+            if self.tt is not None:
+                raise ValueError(f"table {self.name!r}: a table is either TT or dynamic, not both")
+            if self.num_embeddings % self.dynamic.bucket_size:
+                raise ValueError(f"table {self.name!r}: a dynamic table's num_embeddings (its slots) must "
+                                 f"be a multiple of bucket_size={self.dynamic.bucket_size}, got "
+                                 f"{self.num_embeddings}")
 
     def tt_layout(self) -> TTLayout:
         """The table's ``TTLayout`` (for a TT table)."""
@@ -157,11 +192,16 @@ class TableGroup:
         """Whether the group is one TT table (looked up by ``TTEmbeddingBag``)."""
         return getattr(self.tables[0], "tt", None) is not None
 
+    @property
+    def dynamic(self) -> bool:
+        """Whether the group is one dynamic-vocabulary table (ids mapped by a hash table)."""
+        return getattr(self.tables[0], "dynamic", None) is not None
+
 
 def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None = None
                  ) -> tuple[TableGroup, ...]:
     """Checks ``tables`` and groups them by (pooling, dtype), in order of first appearance;
-    each TT table is a group of its own.
+    each TT or dynamic table is a group of its own.
 
     ``pooling`` overrides the tables' own (``PoolingMode.NONE`` for sequence embeddings).
     """
@@ -174,7 +214,8 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
     order: dict[tuple, list[EmbeddingConfig]] = {}
     for t in tables:
         p = pooling if pooling is not None else t.pooling
-        key = (p, t.dtype) if getattr(t, "tt", None) is None else ("tt", t.name)  # TT: alone
+        alone = getattr(t, "tt", None) is not None or getattr(t, "dynamic", None) is not None
+        key = ("alone", t.name) if alone else (p, t.dtype)  # TT and dynamic tables: a group each
         order.setdefault(key, []).append(t)
     groups = []
     for members in order.values():

@@ -25,10 +25,19 @@ from jaxrec._mesh import to_host
 from jaxrec.fused import FusedEmbeddingTables, fused_lookup
 from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
+from jaxrec.nn._dynamic import (
+    DynamicIndex,
+    IndexState,
+    new_index,
+    slots_for_eval,
+    slots_for_training,
+    statistics,
+)
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup, tbe_layout
+from jaxrec.ops.hash_table import HashTable
 from jaxrec.ops.tbe_kjt import (
     bag_offsets,
     check_variable_batch,
@@ -57,6 +66,12 @@ class GroupedTables(TableCollection):
         self.backend = backend
         self.name = name
         self.feature_names = tuple(f for t in self.table_configs for f in t.feature_names)
+        dynamic = [g.tables[0].name for g in groups if g.dynamic]
+        if dynamic and optimizer is None:
+            raise ValueError(f"tables {dynamic} are dynamic vocabularies, whose new ids' rows and optimizer "
+                             "state are reset inside the step: give the collection a fused optimizer "
+                             "(optimizer=RowWiseAdagrad(...) etc.)")
+        self.deterministic = False  # dynamic tables: insert new ids (flax's model.train / model.eval)
         _check_fits(name, groups, optimizer)
         keys = {t.name: rngs.params() for t in tables}  # keys drawn in config order
         variables = []
@@ -73,6 +88,8 @@ class GroupedTables(TableCollection):
                 variables.append(FusedTables(FusedEmbeddingTables.create(
                     g.layout, optimizer, weights=flat, copy=False, name=group_name)))
         self.tables = nnx.List(variables)
+        # one hash index per dynamic group, in group order
+        self.indices = nnx.List([DynamicIndex(new_index(g.tables[0])) for g in groups if g.dynamic])
 
     def split_embedding_weights(self) -> dict[str, jax.Array]:
         """``{table name: [num_embeddings, embedding_dim]}`` (views of the flat buffers)."""
@@ -133,6 +150,12 @@ class GroupedTables(TableCollection):
                                  f"all of them, got {given}")
             var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
 
+    def dynamic_statistics(self) -> dict[str, dict[str, jax.Array]]:
+        """``{table name: statistics}`` of the dynamic tables: ``size``, ``load_factor``,
+        ``inserted``, ``evicted``, ``failed_inserts``, ``unknown_lookups`` (docs/dynamic_vocab.md)."""
+        return {g.tables[0].name: statistics(index.get_value())
+                for g, index in zip([g for g in self.groups if g.dynamic], self.indices)}
+
     def portable_tables(self) -> dict[str, dict[str, np.ndarray]]:
         """Each table's weights, fused optimizer state and step, as NumPy arrays: the
         plan-free form of ``ShardedEmbeddingBagCollection.portable_tables``, so that a
@@ -151,6 +174,10 @@ class GroupedTables(TableCollection):
             if self.fused:
                 for t, states in zip(g.tables, host.split_optimizer_states()):
                     out[t.name].update(states, step=host.step)
+        for g, index in zip([g for g in self.groups if g.dynamic], self.indices):
+            state = jax.tree.map(to_host, index.get_value())
+            counters = {f: getattr(state, f) for f in IndexState._fields[1:]}
+            out[g.tables[0].name]["index"] = {**state.table._asdict(), **counters}
         return out
 
     def load_portable_tables(self, portable: Mapping[str, Mapping[str, jax.Array]]) -> None:
@@ -160,8 +187,13 @@ class GroupedTables(TableCollection):
             for g in self.groups:  # one step counter per group
                 names = [t.name for t in g.tables]
                 self.set_optimizer_states(
-                    {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step")} for n in names},
+                    {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step", "index")}
+                     for n in names},
                     step=portable[names[0]]["step"])
+        for g, index in zip([g for g in self.groups if g.dynamic], self.indices):
+            given = portable[g.tables[0].name]["index"]
+            table = HashTable(*(jnp.asarray(given[f]) for f in HashTable._fields))
+            index.set_value(IndexState(table, *(jnp.asarray(given[f]) for f in IndexState._fields[1:])))
 
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
         """One KJT per group, holding that group's features in its layout's order."""
@@ -188,6 +220,15 @@ class GroupedTables(TableCollection):
                       feature_names=list(group.feature_names),  # for FATAL's message
                       table_names=[group.tables[t].name for t in group.layout.feature_table_map])
         table = self.tables[i].get_value()
+        if group.dynamic:  # raw ids to slots; unknown or refused ids (-1) look up nothing
+            index = self.indices[sum(g.dynamic for g in self.groups[:i])]
+            valid = jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]
+            if self.deterministic:
+                values = slots_for_eval(index, values, valid)
+            else:
+                values, table = slots_for_training(index, table, group.tables[0], values, valid)
+            values = values.astype(offsets.dtype)
+            kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
         if self.fused:
             out = fused_lookup(table, values, offsets, **kwargs)
         else:

@@ -52,9 +52,10 @@ class HashTable(NamedTuple):
 class InsertInfo(NamedTuple):
     """What ``find_or_insert`` did."""
 
-    fresh: jax.Array
-    """``bool[capacity]``: slots given a new id (their rows and optimizer state must be
-    initialised anew: an evicted id's row is never inherited)."""
+    fresh_slots: jax.Array
+    """``int32[N]``: the slots given a new id, one entry per new distinct id, ``capacity``
+    (out of range) in the other entries. Their rows and optimizer state must be initialised
+    anew: an evicted id's row is never inherited."""
     inserted: jax.Array
     """Distinct ids inserted."""
     evicted: jax.Array
@@ -164,14 +165,14 @@ def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru
         scores = flat_scores.at[touched].set(base + count, mode="drop")
     else:
         scores = flat_scores.at[touched].set(jnp.asarray(step, jnp.int32), mode="drop")
-    fresh = jnp.zeros((table.capacity,), bool).at[chosen].set(True, mode="drop")
 
     uniq_slot = jnp.where(found, slot, jnp.where(placed, chosen, -1))
     sorted_slot = jnp.where(s_valid, uniq_slot[group], -1)
     slots = jnp.zeros((n,), jnp.int32).at[order].set(sorted_slot.astype(jnp.int32))
     shape = table.keys.shape
     new = HashTable(keys.reshape(shape), used.reshape(shape), scores.reshape(shape))
-    info = InsertInfo(fresh, jnp.sum(placed), evicted, jnp.sum(missing & ~placed))
+    info = InsertInfo(chosen, jnp.sum(placed, dtype=jnp.int32), evicted.astype(jnp.int32),
+                      jnp.sum(missing & ~placed, dtype=jnp.int32))
     return slots, new, info
 
 

@@ -126,6 +126,10 @@ class ShardedEmbeddingBagCollection(TableCollection):
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {[d.name for d in _COMM_DTYPES]}, got "
                              f"{comm_dtype.name}")
+        dynamic = [t.name for t in tables if getattr(t, "dynamic", None) is not None]
+        if dynamic:
+            raise NotImplementedError(f"tables {dynamic} are dynamic vocabularies, which are not sharded yet "
+                                      "(docs/dynamic_vocab.md); use them in an unsharded EmbeddingBagCollection")
         if (rngs is None) == (initial is None):
             raise ValueError("pass exactly one of rngs= (new tables) or initial= (portable tables)")
         self.layout = build_layout(table_specs(tables), plan)

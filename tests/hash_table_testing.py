@@ -1,0 +1,73 @@
+"""A Python dict model of jaxrec.ops.hash_table, written independently of it (the bucket
+function in Python ints, one bucket and one id at a time): tests/test_hash_table.py and
+tests/nn/test_dynamic_vocab.py check the table and the dynamic collections against it."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+
+M32, M64 = (1 << 32) - 1, (1 << 64) - 1
+
+
+def fmix(i: int, bits: int) -> int:
+    if bits == 32:
+        h = i & M32
+        h ^= h >> 16
+        h = (h * 0x85EBCA6B) & M32
+        h ^= h >> 13
+        h = (h * 0xC2B2AE35) & M32
+        return h ^ (h >> 16)
+    h = i & M64
+    h ^= h >> 33
+    h = (h * 0xFF51AFD7ED558CCD) & M64
+    h ^= h >> 33
+    h = (h * 0xC4CEB9FE1A85EC53) & M64
+    return h ^ (h >> 33)
+
+
+class DictModel:
+    """The table as a dict id -> slot plus per-slot arrays, updated one id at a time."""
+
+    def __init__(self, num_buckets, size, policy, bits):
+        self.nb, self.size, self.policy, self.bits = num_buckets, size, policy, bits
+        self.slot_of = {}
+        self.keys = np.zeros(num_buckets * size, np.int64)
+        self.used = np.zeros(num_buckets * size, bool)
+        self.scores = np.zeros(num_buckets * size, np.int64)
+
+    def bucket(self, i):
+        return fmix(i, self.bits) % self.nb
+
+    def find_or_insert(self, ids, valid, step):
+        counts = collections.Counter(int(i) for i, v in zip(ids, valid) if v)
+        found = {i: self.slot_of[i] for i in counts if i in self.slot_of}
+        hit = set(found.values())
+        slot_for, fresh = dict(found), set()
+        inserted = evicted = failed = 0
+        missing = sorted((i for i in counts if i not in found), key=lambda i: (self.bucket(i), i))
+        for b in sorted({self.bucket(i) for i in missing}):
+            cells = range(b * self.size, (b + 1) * self.size)
+            empty = [c for c in cells if not self.used[c]]
+            old = [] if self.policy == "none" else sorted(
+                (c for c in cells if self.used[c] and c not in hit), key=lambda c: (self.scores[c], c))
+            candidates = empty + old
+            for rank, i in enumerate(i for i in missing if self.bucket(i) == b):
+                if rank >= len(candidates):
+                    failed += 1
+                    slot_for[i] = -1
+                    continue
+                c = candidates[rank]
+                if self.used[c]:
+                    evicted += 1
+                    del self.slot_of[int(self.keys[c])]
+                self.keys[c], self.used[c], self.slot_of[i] = i, True, c
+                slot_for[i] = c
+                fresh.add(c)
+                inserted += 1
+        for i, c in slot_for.items():
+            if c >= 0:
+                self.scores[c] = (self.scores[c] if i in found else 0) + counts[i] if self.policy == "lfu" else step
+        slots = [slot_for[int(i)] if v else -1 for i, v in zip(ids, valid)]
+        return np.asarray(slots), fresh, (inserted, evicted, failed)
