@@ -21,6 +21,7 @@ from hash_table_testing import DictModel
 import jaxrec.parallel as par
 from jaxrec.nn import DynamicVocab, EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, make_train_step
 from jaxrec.optim import RowWiseAdagrad
+from jaxrec.serving import quantize
 from jaxrec.sparse import KeyedJaggedTensor
 
 SLOTS, BUCKET, B = 16, 4, 8
@@ -163,3 +164,5 @@ def test_bad_dynamic_tables_are_refused_with_the_fix():
     plan = par.construct_plan(tables(True), {t.name: par.table_wise(0) for t in tables(True)}, 2)
     with pytest.raises(NotImplementedError, match="not sharded yet"):
         par.shard(ebc, plan, mesh)
+    with pytest.raises(NotImplementedError, match="serving does not support yet"):
+        quantize(Model(ebc))

@@ -124,6 +124,10 @@ def quantize(model: nnx.Module, precisions: Mapping[str, str] | str = "int8"
     if not found:
         raise ValueError(f"{type(model).__name__} has no EmbeddingBagCollection to quantize")
     names = {t.name for _, m in found for t in m.embedding_bag_configs()}
+    dynamic = sorted(t.name for _, m in found for t in m.embedding_bag_configs() if t.dynamic is not None)
+    if dynamic:  # the served table would lose its id -> row index
+        raise NotImplementedError(f"tables {dynamic} are dynamic vocabularies, which serving does not "
+                                  "support yet (docs/dynamic_vocab.md)")
     unknown = sorted(set(precisions) - names - {"*"})
     if unknown:
         raise ValueError(f"precisions name tables {unknown} that the model lacks; its tables: {sorted(names)}")
