@@ -129,7 +129,7 @@ def test_the_portable_form_carries_the_index():
     model = Model(ebc)
     step = make_train_step(loss_fn)
     opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
-    for i in range(3):
+    for _ in range(3):
         lengths, users, items, target = batch(rng)
         step(model, opt, kjt(lengths, users, items), target)
     portable = ebc.portable_tables()
