@@ -36,6 +36,7 @@ class DictModel:
         self.keys = np.zeros(num_buckets * size, np.int64)
         self.used = np.zeros(num_buckets * size, bool)
         self.scores = np.zeros(num_buckets * size, np.int64)
+        self.seen = np.full(num_buckets * size, -1, np.int64)
 
     def bucket(self, i):
         return fmix(i, self.bits) % self.nb
@@ -68,6 +69,7 @@ class DictModel:
                 inserted += 1
         for i, c in slot_for.items():
             if c >= 0:
+                self.seen[c] = step
                 self.scores[c] = (self.scores[c] if i in found else 0) + counts[i] if self.policy == "lfu" else step
         slots = [slot_for[int(i)] if v else -1 for i, v in zip(ids, valid)]
         return np.asarray(slots), fresh, (inserted, evicted, failed)

@@ -39,6 +39,12 @@ def test_find_or_insert_equals_the_dict_model(policy):
         np.testing.assert_array_equal(used, model.used)
         np.testing.assert_array_equal(np.asarray(table.keys).ravel()[used], model.keys[used])
         np.testing.assert_array_equal(np.asarray(table.scores).ravel()[used], model.scores[used])
+        np.testing.assert_array_equal(np.asarray(table.seen).ravel()[used], model.seen[used])
+        since = max(step - 3, 0)  # the ids seen in the last steps, as a serving copy would ask
+        ids_changed, slots_changed = ht.changed_since(table, since)
+        want = np.flatnonzero(model.used & (model.seen >= since))
+        np.testing.assert_array_equal(slots_changed, want)
+        np.testing.assert_array_equal(ids_changed, model.keys[want])
         fresh = np.asarray(info.fresh_slots)
         np.testing.assert_array_equal(np.sort(fresh[fresh < table.capacity]), sorted(want_fresh))
         got_counts = (int(info.inserted), int(info.evicted), int(info.failed))

@@ -98,6 +98,13 @@ def test_training_equals_an_ordinary_table_on_the_dict_models_slots():
                 np.testing.assert_allclose(dynamic.ebc.split_optimizer_states()[name][k], v, rtol=1e-6, atol=1e-7)
     stats = dynamic.ebc.dynamic_statistics()["t_user"]
     assert int(stats["size"]) == SLOTS and int(stats["evicted"]) == evicted > 0
+    # what changed since step 9: the ids the last 3 steps saw, with their rows now
+    changes = dynamic.ebc.dynamic_changes("t_user", 9)
+    want = np.flatnonzero(model.used & (model.seen >= 9))
+    np.testing.assert_array_equal(changes["ids"], model.keys[want])
+    np.testing.assert_array_equal(changes["rows"], np.asarray(dynamic.ebc.split_embedding_weights()["t_user"])[want])
+    with pytest.raises(ValueError, match="'t_item' is not a dynamic table"):
+        dynamic.ebc.dynamic_changes("t_item", 0)
 
 
 def test_evaluation_looks_up_only_and_counts_unknown_ids():

@@ -36,8 +36,7 @@ from jaxrec.nn._dynamic import (
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
-from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup, tbe_layout
-from jaxrec.ops.hash_table import HashTable
+from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup, hash_table, tbe_layout
 from jaxrec.ops.tbe_kjt import (
     bag_offsets,
     check_variable_batch,
@@ -156,6 +155,18 @@ class GroupedTables(TableCollection):
         return {g.tables[0].name: statistics(index.get_value())
                 for g, index in zip([g for g in self.groups if g.dynamic], self.indices)}
 
+    def dynamic_changes(self, table: str, since_step: int) -> dict[str, np.ndarray]:
+        """``{"ids", "rows"}`` (NumPy) of dynamic table ``table``: the ids that training saw
+        at fused step ``since_step`` or later (inserted or updated since) and their rows now;
+        what a serving copy must refresh (docs/dynamic_vocab.md)."""
+        found = [(g, index) for g, index in zip([g for g in self.groups if g.dynamic], self.indices)
+                 if g.tables[0].name == table]
+        if not found:
+            raise ValueError(f"{table!r} is not a dynamic table of collection {self.name!r}; its dynamic "
+                             f"tables: {sorted(self.dynamic_statistics())}")
+        ids, slots = hash_table.changed_since(found[0][1].get_value().table, since_step)
+        return {"ids": ids, "rows": to_host(self.split_embedding_weights()[table])[slots]}
+
     def portable_tables(self) -> dict[str, dict[str, np.ndarray]]:
         """Each table's weights, fused optimizer state and step, as NumPy arrays: the
         plan-free form of ``ShardedEmbeddingBagCollection.portable_tables``, so that a
@@ -192,7 +203,7 @@ class GroupedTables(TableCollection):
                     step=portable[names[0]]["step"])
         for g, index in zip([g for g in self.groups if g.dynamic], self.indices):
             given = portable[g.tables[0].name]["index"]
-            table = HashTable(*(jnp.asarray(given[f]) for f in HashTable._fields))
+            table = hash_table.HashTable(*(jnp.asarray(given[f]) for f in hash_table.HashTable._fields))
             index.set_value(IndexState(table, *(jnp.asarray(given[f]) for f in IndexState._fields[1:])))
 
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:

@@ -2,7 +2,7 @@
 vocabulary (any id gets its own row, new ids are inserted while training, the least
 valuable are evicted when their bucket is full). HierarchicalKV's design, in ``jnp``::
 
-    slot = bucket * S + position          keys, used, scores: [num_buckets, S]
+    slot = bucket * S + position          keys, used, scores, seen: [num_buckets, S]
     bucket(id) = murmur3_fmix(id) % num_buckets
 
     bucket 0  | k17 | k3 | -- | k40 | ... S slots     used:   1 1 0 1
@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 POLICIES = ("lru", "lfu", "none")
 
@@ -43,6 +44,9 @@ class HashTable(NamedTuple):
     """``bool[num_buckets, bucket_size]``: slots holding an id."""
     scores: jax.Array
     """``int32[num_buckets, bucket_size]``: last step seen (LRU) or times seen (LFU)."""
+    seen: jax.Array
+    """``int32[num_buckets, bucket_size]``: the last step ``find_or_insert`` saw the slot's
+    id (whatever the policy): what changed since a step (``changed_since``)."""
 
     @property
     def capacity(self) -> int:
@@ -76,7 +80,8 @@ def create(capacity: int, *, bucket_size: int = 128, dtype=jnp.int32) -> HashTab
     if dtype == jnp.int64 and not jax.config.jax_enable_x64:
         raise ValueError("int64 ids need jax_enable_x64: jax.config.update('jax_enable_x64', True)")
     shape = (capacity // bucket_size, bucket_size)
-    return HashTable(jnp.zeros(shape, dtype), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32))
+    return HashTable(jnp.zeros(shape, dtype), jnp.zeros(shape, bool), jnp.zeros(shape, jnp.int32),
+                     jnp.full(shape, -1, jnp.int32))
 
 
 def bucket_of(ids: jax.Array, num_buckets: int) -> jax.Array:
@@ -166,11 +171,12 @@ def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru
     else:
         scores = flat_scores.at[touched].set(jnp.asarray(step, jnp.int32), mode="drop")
 
+    seen = table.seen.reshape(-1).at[touched].set(jnp.asarray(step, jnp.int32), mode="drop")
     uniq_slot = jnp.where(found, slot, jnp.where(placed, chosen, -1))
     sorted_slot = jnp.where(s_valid, uniq_slot[group], -1)
     slots = jnp.zeros((n,), jnp.int32).at[order].set(sorted_slot.astype(jnp.int32))
     shape = table.keys.shape
-    new = HashTable(keys.reshape(shape), used.reshape(shape), scores.reshape(shape))
+    new = HashTable(keys.reshape(shape), used.reshape(shape), scores.reshape(shape), seen.reshape(shape))
     info = InsertInfo(chosen, jnp.sum(placed, dtype=jnp.int32), evicted.astype(jnp.int32),
                       jnp.sum(missing & ~placed, dtype=jnp.int32))
     return slots, new, info
@@ -190,6 +196,14 @@ def _check(table: HashTable, ids) -> jax.Array:
         raise ValueError(f"ids must be a 1-D array of the table's dtype {table.keys.dtype}, got "
                          f"{ids.dtype}{list(ids.shape)}")
     return ids
+
+
+def changed_since(table: HashTable, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, slots)`` (NumPy) of the ids that ``find_or_insert`` saw at ``step`` or later:
+    those inserted or trained since then (the rows a serving copy must refresh)."""
+    used, seen = np.asarray(table.used).ravel(), np.asarray(table.seen).ravel()
+    slots = np.flatnonzero(used & (seen >= step))
+    return np.asarray(table.keys).ravel()[slots], slots
 
 
 def stats(table: HashTable) -> dict[str, jax.Array]:
