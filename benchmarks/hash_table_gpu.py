@@ -5,8 +5,9 @@ int64 keys, 1M keys a call, at load factors 0.5 / 0.75 / 0.9 / 1.0.
     python benchmarks/hash_table_gpu.py --out benchmarks/results/hash_table_<device>.json
 
 For each load factor the table is filled with random distinct keys (find_or_insert, LRU),
-then timed: ``find`` of 1M keys it holds and ``find_or_insert`` of 1M new keys (at 1.0
-every insert evicts), the median of 5 calls each, next to a device-to-device copy of the
+then timed: ``find`` of 1M keys it holds (``jaxrec.benchmark._measure.timed``: the median
+of 5 calls after 4 warm-up ones) and ``find_or_insert`` of 1M new keys (at 1.0 every
+insert evicts; the median of the last 5 of 6 calls), next to a device-to-device copy of the
 table's key array in the same process (the copy ceiling). Keys/s = 1M / time.
 """
 
@@ -26,18 +27,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from jaxrec.benchmark._environment import environment  # noqa: E402
+from jaxrec.benchmark._measure import timed  # noqa: E402
 from jaxrec.benchmark._report import write_json  # noqa: E402
 from jaxrec.ops import hash_table as ht  # noqa: E402
-
-
-def timed(fn, *args, repeats=5):
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -52,7 +44,7 @@ def main(argv=None) -> int:
     insert = jax.jit(functools.partial(ht.find_or_insert, policy="lru"), donate_argnums=0)
     find = jax.jit(ht.find)
     copy = jax.jit(lambda x: x + 0)
-    ceiling_s = timed(copy, table.keys)
+    ceiling_s = timed(copy, [(table.keys,)], 1, jax.block_until_ready)
     result = environment("hash_table_gpu", jax.devices()[0].device_kind, {}, {})
     result.update(capacity=capacity, bucket_size=128, key_dtype="int64", keys_per_call=n,
                   copy_ceiling_gb_s=2 * table.keys.nbytes / ceiling_s / 1e9, runs=[])
@@ -64,7 +56,7 @@ def main(argv=None) -> int:
             step += 1
             present = keys  # the newest keys: held whatever the evictions
         size = int(ht.stats(table)["size"])
-        find_s = timed(find, table, present)
+        find_s = timed(find, [(table, present)], 1, jax.block_until_ready)
         new = [jnp.asarray(rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64)) for _ in range(6)]
         insert_times = []
         for keys in new:  # each call inserts 1M new keys (the table grows, or evicts at 1.0)

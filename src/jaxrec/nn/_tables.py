@@ -149,23 +149,27 @@ class GroupedTables(TableCollection):
                                  f"all of them, got {given}")
             var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
 
+    def _indices(self) -> dict[str, DynamicIndex]:
+        """``{table name: its DynamicIndex}`` of the dynamic tables (``indices`` is in group order)."""
+        return dict(zip((g.tables[0].name for g in self.groups if g.dynamic), self.indices))
+
     def dynamic_statistics(self) -> dict[str, dict[str, jax.Array]]:
         """``{table name: statistics}`` of the dynamic tables: ``size``, ``load_factor``,
         ``inserted``, ``evicted``, ``failed_inserts``, ``unknown_lookups`` (docs/dynamic_vocab.md)."""
-        return {g.tables[0].name: statistics(index.get_value())
-                for g, index in zip([g for g in self.groups if g.dynamic], self.indices)}
+        return {name: statistics(index.get_value()) for name, index in self._indices().items()}
 
     def dynamic_changes(self, table: str, since_step: int) -> dict[str, np.ndarray]:
         """``{"ids", "rows"}`` (NumPy) of dynamic table ``table``: the ids that training saw
         at fused step ``since_step`` or later (inserted or updated since) and their rows now;
         what a serving copy must refresh (docs/dynamic_vocab.md)."""
-        found = [(g, index) for g, index in zip([g for g in self.groups if g.dynamic], self.indices)
-                 if g.tables[0].name == table]
-        if not found:
+        indices = self._indices()
+        if table not in indices:
             raise ValueError(f"{table!r} is not a dynamic table of collection {self.name!r}; its dynamic "
-                             f"tables: {sorted(self.dynamic_statistics())}")
-        ids, slots = hash_table.changed_since(found[0][1].get_value().table, since_step)
-        return {"ids": ids, "rows": to_host(self.split_embedding_weights()[table])[slots]}
+                             f"tables: {sorted(indices)}")
+        ids, slots = hash_table.changed_since(indices[table].get_value().table, since_step)
+        (i,) = [i for i, g in enumerate(self.groups) if g.tables[0].name == table]  # a group of its own
+        weights = self.tables[i].get_value().weights.reshape(-1, self.groups[i].layout.dims[0])
+        return {"ids": ids, "rows": to_host(weights[slots])}  # only the changed rows leave the device
 
     def portable_tables(self) -> dict[str, dict[str, np.ndarray]]:
         """Each table's weights, fused optimizer state and step, as NumPy arrays: the
@@ -185,10 +189,10 @@ class GroupedTables(TableCollection):
             if self.fused:
                 for t, states in zip(g.tables, host.split_optimizer_states()):
                     out[t.name].update(states, step=host.step)
-        for g, index in zip([g for g in self.groups if g.dynamic], self.indices):
+        for name, index in self._indices().items():
             state = jax.tree.map(to_host, index.get_value())
             counters = {f: getattr(state, f) for f in IndexState._fields[1:]}
-            out[g.tables[0].name]["index"] = {**state.table._asdict(), **counters}
+            out[name]["index"] = {**state.table._asdict(), **counters}
         return out
 
     def load_portable_tables(self, portable: Mapping[str, Mapping[str, jax.Array]]) -> None:
@@ -201,8 +205,8 @@ class GroupedTables(TableCollection):
                     {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step", "index")}
                      for n in names},
                     step=portable[names[0]]["step"])
-        for g, index in zip([g for g in self.groups if g.dynamic], self.indices):
-            given = portable[g.tables[0].name]["index"]
+        for name, index in self._indices().items():
+            given = portable[name]["index"]
             table = hash_table.HashTable(*(jnp.asarray(given[f]) for f in hash_table.HashTable._fields))
             index.set_value(IndexState(table, *(jnp.asarray(given[f]) for f in IndexState._fields[1:])))
 
@@ -232,7 +236,7 @@ class GroupedTables(TableCollection):
                       table_names=[group.tables[t].name for t in group.layout.feature_table_map])
         table = self.tables[i].get_value()
         if group.dynamic:  # raw ids to slots; unknown or refused ids (-1) look up nothing
-            index = self.indices[sum(g.dynamic for g in self.groups[:i])]
+            index = self._indices()[group.tables[0].name]
             valid = jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]
             if self.deterministic:
                 values = slots_for_eval(index, values, valid)

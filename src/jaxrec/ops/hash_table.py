@@ -19,7 +19,7 @@ gives it no row and no update (docs/bounds_check.md).
 
 There is no sentinel key: ``used`` marks the slots in use, so every value of the ids'
 dtype (int32, or int64 with ``jax_enable_x64``) is a key. Deterministic: the same table
-and batch give the same slots on every backend. ``tests/ops/test_hash_table.py`` checks
+and batch give the same slots on every backend. ``tests/test_hash_table.py`` checks
 it against a Python dict model of the same buckets and policy. Costs O(batch * S): each
 distinct id reads its bucket.
 """
