@@ -28,18 +28,25 @@ def fmix(i: int, bits: int) -> int:
 
 
 class DictModel:
-    """The table as a dict id -> slot plus per-slot arrays, updated one id at a time."""
+    """The table as a dict id -> slot plus per-slot arrays, updated one id at a time: a
+    bucket's new ids in hash order take its empty slots by position, then the slots no id
+    of the batch uses by (score, position)."""
 
     def __init__(self, num_buckets, size, policy, bits):
         self.nb, self.size, self.policy, self.bits = num_buckets, size, policy, bits
         self.slot_of = {}
         self.keys = np.zeros(num_buckets * size, np.int64)
         self.used = np.zeros(num_buckets * size, bool)
+        self.digests = np.zeros(num_buckets * size, np.uint8)
         self.scores = np.zeros(num_buckets * size, np.int64)
         self.seen = np.full(num_buckets * size, -1, np.int64)
 
     def bucket(self, i):
-        return fmix(i, self.bits) % self.nb
+        h = fmix(i, self.bits)
+        return ((h >> 32 if self.bits == 64 else h) * self.nb) >> 32
+
+    def digest(self, i):
+        return fmix(i, self.bits) & 0xFF or 1
 
     def find_or_insert(self, ids, valid, step):
         counts = collections.Counter(int(i) for i, v in zip(ids, valid) if v)
@@ -47,7 +54,7 @@ class DictModel:
         hit = set(found.values())
         slot_for, fresh = dict(found), set()
         inserted = evicted = failed = 0
-        missing = sorted((i for i in counts if i not in found), key=lambda i: (self.bucket(i), i))
+        missing = sorted((i for i in counts if i not in found), key=lambda i: (self.bucket(i), fmix(i, self.bits)))
         for b in sorted({self.bucket(i) for i in missing}):
             cells = range(b * self.size, (b + 1) * self.size)
             empty = [c for c in cells if not self.used[c]]
@@ -63,7 +70,7 @@ class DictModel:
                 if self.used[c]:
                     evicted += 1
                     del self.slot_of[int(self.keys[c])]
-                self.keys[c], self.used[c], self.slot_of[i] = i, True, c
+                self.keys[c], self.used[c], self.digests[c], self.slot_of[i] = i, True, self.digest(i), c
                 slot_for[i] = c
                 fresh.add(c)
                 inserted += 1

@@ -1,6 +1,8 @@
 """The hash table of a dynamic vocabulary (jaxrec.ops.hash_table) against a Python dict
-model of the same buckets and policy (hash_table_testing.py): on random streams with repeats, new ids,
-padding entries and evictions, the same slots, keys, scores, fresh slots and counts."""
+model of the same buckets and policy (hash_table_testing.py): on random streams with
+repeats, new ids, padding entries and evictions, the same slots, keys, digests, scores,
+fresh slots and counts; for the handlers (C++ on CPU, CUDA on the GPU) and the jnp
+reference."""
 
 from __future__ import annotations
 
@@ -15,17 +17,18 @@ from hash_table_testing import DictModel
 from jaxrec.ops import hash_table as ht
 
 
-def _jitted(policy):
-    return jax.jit(functools.partial(ht.find_or_insert, policy=policy))
+def _jitted(policy, backend="auto"):
+    return jax.jit(functools.partial(ht.find_or_insert, policy=policy, backend=backend))
 
 
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
 @pytest.mark.parametrize("policy", ht.POLICIES)
-def test_find_or_insert_equals_the_dict_model(policy):
+def test_find_or_insert_equals_the_dict_model(platform, backend, policy):
     rng = np.random.default_rng({"lru": 0, "lfu": 1, "none": 2}[policy])
     num_buckets, size, n = 6, 4, 20  # 24 slots for ~70 distinct ids: buckets overflow
     table = ht.create(num_buckets * size, bucket_size=size)
     model = DictModel(num_buckets, size, policy, 32)
-    step_fn = _jitted(policy)
+    step_fn = _jitted(policy, backend)
     universe = np.concatenate([rng.integers(-2**31, 2**31, 40), np.arange(-3, 27)]).astype(np.int32)
     totals = np.zeros(3, int)
     for step in range(40):
@@ -38,6 +41,7 @@ def test_find_or_insert_equals_the_dict_model(policy):
         used = np.asarray(table.used).ravel()
         np.testing.assert_array_equal(used, model.used)
         np.testing.assert_array_equal(np.asarray(table.keys).ravel()[used], model.keys[used])
+        np.testing.assert_array_equal(np.asarray(table.digests).ravel(), model.digests)
         np.testing.assert_array_equal(np.asarray(table.scores).ravel()[used], model.scores[used])
         np.testing.assert_array_equal(np.asarray(table.seen).ravel()[used], model.seen[used])
         since = max(step - 3, 0)  # the ids seen in the last steps, as a serving copy would ask
@@ -53,7 +57,7 @@ def test_find_or_insert_equals_the_dict_model(policy):
         # every id holds its own slot: no two ids share one
         held = np.asarray(table.keys).ravel()[used]
         assert len(set(held.tolist())) == held.size
-        np.testing.assert_array_equal(np.asarray(ht.find(table, jnp.asarray(ids))),
+        np.testing.assert_array_equal(np.asarray(ht.find(table, jnp.asarray(ids), backend=backend)),
                                       [model.slot_of.get(int(i), -1) for i in ids])
     inserted, evicted, failed = totals
     assert inserted >= 24  # the stream filled the table
@@ -63,22 +67,39 @@ def test_find_or_insert_equals_the_dict_model(policy):
         assert evicted > 0
 
 
-def test_int64_ids_equal_the_dict_model(x64):
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_int64_ids_equal_the_dict_model(x64, platform, backend):
     rng = np.random.default_rng(3)
-    table = ht.create(32, bucket_size=8, dtype=jnp.int64)
-    model = DictModel(4, 8, "lru", 64)
-    universe = rng.integers(-2**63, 2**63 - 1, 60, dtype=np.int64)
+    table = ht.create(40, bucket_size=8, dtype=jnp.int64)
+    model = DictModel(5, 8, "lfu", 64)
+    universe = np.concatenate([rng.integers(-2**63, 2**63 - 1, 60, dtype=np.int64), [-1, 0, 2**63 - 1]])
     for step in range(12):
         ids = rng.choice(universe[: 10 + 4 * step], size=16)
         valid = np.ones(16, bool)
-        slots, table, _ = ht.find_or_insert(table, jnp.asarray(ids), step)
+        slots, table, _ = ht.find_or_insert(table, jnp.asarray(ids), step, policy="lfu", backend=backend)
         want, _, _ = model.find_or_insert(ids, valid, step)
         np.testing.assert_array_equal(np.asarray(slots), want)
+        np.testing.assert_array_equal(np.asarray(table.digests).ravel(), model.digests)
+        np.testing.assert_array_equal(np.asarray(table.scores).ravel()[model.used], model.scores[model.used])
+        np.testing.assert_array_equal(np.asarray(ht.find(table, jnp.asarray(ids), backend=backend)), want)
 
 
-def test_every_distinct_id_gets_its_own_slot_below_capacity():
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_buckets_and_digests_equal_the_dict_model(x64, dtype):
+    """The jnp bucket (32-bit multiply-high without int64 for int32 ids) against Python ints."""
+    bits = 32 if dtype == "int32" else 64
+    info = np.iinfo(dtype)
+    ids = np.concatenate([np.random.default_rng(5).integers(info.min, info.max, 2000, dtype=dtype),
+                          np.array([info.min, -1, 0, 1, info.max], dtype)])
+    for num_buckets in (1, 7, 1000, 2**24 + 3, 2**31 // 128):
+        model = DictModel(num_buckets, 1, "lru", bits)
+        np.testing.assert_array_equal(np.asarray(ht.bucket_of(jnp.asarray(ids), num_buckets)),
+                                      [model.bucket(int(i)) for i in ids])
+
+
+def test_every_distinct_id_gets_its_own_slot_below_capacity(platform):
     """100k distinct ids into 262,144 slots (buckets of 128, load 0.38): none evicted, none
-    failed, and no two ids share a slot."""
+    failed, and no two ids share a slot. (benchmarks/hash_table_gpu.py checks 10M ids.)"""
     table = ht.create(1 << 18, bucket_size=128)
     ids = np.random.default_rng(4).permutation(np.arange(-50_000, 50_000, dtype=np.int32))
     step = jax.jit(functools.partial(ht.find_or_insert, policy="lru"))

@@ -34,6 +34,8 @@ TARGETS = {
         "jaxrec_tbe_fused_update": "JaxrecTbeFusedUpdateCpu",
         "jaxrec_sort_by_row": "JaxrecSortByRowCpu",
         "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCpu",
+        "jaxrec_hash_find": "JaxrecHashFindCpu",
+        "jaxrec_hash_insert": "JaxrecHashInsertCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
@@ -43,6 +45,8 @@ TARGETS = {
         "jaxrec_tt_forward": "JaxrecTtForwardCuda",
         "jaxrec_tt_backward": "JaxrecTtBackwardCuda",
         "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCuda",
+        "jaxrec_hash_find": "JaxrecHashFindCuda",
+        "jaxrec_hash_insert": "JaxrecHashInsertCuda",
     },
 }
 

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hash_table_testing import DictModel
+from hash_table_testing import DictModel, fmix
 
 import jaxrec.parallel as par
 from jaxrec.nn import DynamicVocab, EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, make_train_step
@@ -77,7 +77,8 @@ def test_training_equals_an_ordinary_table_on_the_dict_models_slots():
         # the ordinary table: the new ids' rows drawn as the dynamic table draws them, state zeroed
         key = jax.random.fold_in(jax.random.key(zlib.crc32(b"t_user")), step)
         drawn = np.asarray(config.init(key, rows=64))
-        order = sorted(set(users.tolist()))  # a new id's row: its rank among the batch's distinct ids
+        # a new id's row: its rank among the batch's distinct ids, in hash order
+        order = sorted(set(users.tolist()), key=lambda u: fmix(u, 32))
         weights = np.asarray(plain.ebc.split_embedding_weights()["t_user"]).copy()
         states = {k: np.asarray(v).copy() for k, v in plain.ebc.split_optimizer_states()["t_user"].items()}
         for u in order:
@@ -91,11 +92,14 @@ def test_training_equals_an_ordinary_table_on_the_dict_models_slots():
         got = step_dynamic(dynamic, opt[0], kjt(lengths, users, items), target)
         want = step_plain(plain, opt[1], kjt(lengths, slots.astype(np.int32), items), target)
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=f"step {step}")
+        # The two collections group their tables differently (a dynamic table is a group of
+        # its own), so gradients of repeated rows are summed in another order: float32 noise.
         for name in ("t_user", "t_item"):
             np.testing.assert_allclose(dynamic.ebc.split_embedding_weights()[name],
-                                       plain.ebc.split_embedding_weights()[name], rtol=1e-6, atol=1e-7)
+                                       plain.ebc.split_embedding_weights()[name], rtol=1e-5, atol=1e-5,
+                                       err_msg=f"step {step}")
             for k, v in plain.ebc.split_optimizer_states()[name].items():
-                np.testing.assert_allclose(dynamic.ebc.split_optimizer_states()[name][k], v, rtol=1e-6, atol=1e-7)
+                np.testing.assert_allclose(dynamic.ebc.split_optimizer_states()[name][k], v, rtol=1e-5, atol=1e-6)
     stats = dynamic.ebc.dynamic_statistics()["t_user"]
     assert int(stats["size"]) == SLOTS and int(stats["evicted"]) == evicted > 0
     # what changed since step 9: the ids the last 3 steps saw, with their rows now
@@ -140,7 +144,7 @@ def test_the_portable_form_carries_the_index():
         lengths, users, items, target = batch(rng)
         step(model, opt, kjt(lengths, users, items), target)
     portable = ebc.portable_tables()
-    assert portable["t_user"]["index"]["used"].sum() > 0
+    assert (portable["t_user"]["index"]["digests"] != 0).sum() > 0
     restored = EmbeddingBagCollection(tables(True), optimizer=RowWiseAdagrad(learning_rate=0.1), rngs=nnx.Rngs(5))
     restored.load_portable_tables(portable)
     for a, b in zip(jax.tree.leaves(ebc.indices[0].get_value()), jax.tree.leaves(restored.indices[0].get_value())):
