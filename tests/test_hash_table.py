@@ -122,5 +122,40 @@ def test_bad_arguments_name_the_fix():
     table = ht.create(128)
     with pytest.raises(ValueError, match=r"ids must be a 1-D array of the table's dtype int32, got float32\[3\]"):
         ht.find(table, jnp.ones(3, jnp.float32))
+    with pytest.raises(ValueError, match=r"bucket_size must lie in \[1, 1024\], got 2048"):
+        ht.create(4096, bucket_size=2048)
+    with pytest.raises(ValueError, match="num_buckets=6 must be a multiple of shards=4"):
+        ht.shard_of(jnp.ones(3, jnp.int32), 6, 4)
     with pytest.raises(ValueError, match="policy must be one of"):
         ht.find_or_insert(table, jnp.ones(3, jnp.int32), 0, policy="fifo")
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_a_table_split_into_bucket_ranges_places_ids_as_the_whole_table(platform, backend):
+    """Three shards of a 9-bucket table, each fed the ids of its range (shard_of), hold what
+    the whole table holds, slot for slot (a sharded dynamic table's equality)."""
+    rng = np.random.default_rng(6)
+    shards, num_buckets, size, n = 3, 9, 4, 24
+    whole = ht.create(num_buckets * size, bucket_size=size)
+    parts = [ht.create(num_buckets * size // shards, bucket_size=size) for _ in range(shards)]
+    universe = rng.integers(-2**31, 2**31, 90).astype(np.int32)
+    for step in range(10):
+        ids = rng.choice(universe[: 20 + 7 * step], size=n).astype(np.int32)
+        valid = rng.random(n) > 0.1
+        slots, whole, _ = ht.find_or_insert(whole, jnp.asarray(ids), step, valid=jnp.asarray(valid),
+                                            backend=backend)
+        owner = np.asarray(ht.shard_of(jnp.asarray(ids), num_buckets, shards))
+        want = np.full(n, -1)
+        for d in range(shards):
+            mine = valid & (owner == d)
+            local, parts[d], _ = ht.find_or_insert(parts[d], jnp.asarray(ids), step, valid=jnp.asarray(mine),
+                                                   shards=shards, backend=backend)
+            local = np.asarray(local)
+            want[mine] = np.where(local[mine] >= 0, local[mine] + d * whole.capacity // shards, -1)
+            np.testing.assert_array_equal(
+                np.asarray(ht.find(parts[d], jnp.asarray(ids[mine]), shards=shards, backend=backend)), local[mine])
+        np.testing.assert_array_equal(np.asarray(slots), want, err_msg=f"step {step}")
+        for field in ht.HashTable._fields:
+            np.testing.assert_array_equal(np.concatenate([np.asarray(getattr(p, field)) for p in parts]),
+                                          np.asarray(getattr(whole, field)), err_msg=field)
+    assert int(ht.stats(whole)["size"]) == whole.capacity  # full: evictions happened

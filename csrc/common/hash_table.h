@@ -48,6 +48,19 @@ JAXREC_HOST_DEVICE int64_t BucketOf(uint64_t h, int64_t num_buckets) {
   return BucketOf(static_cast<uint32_t>(h >> 32), num_buckets);
 }
 
+// The buckets a table holds: all `total` buckets, or (a shard of a table sharded by
+// bucket ranges) `local` consecutive ones; an id routed to the shard has its bucket in
+// the shard's range, so its place there is bucket % local.
+struct Buckets {
+  int64_t local;
+  int64_t total;
+  template <typename H>
+  JAXREC_HOST_DEVICE int64_t Of(H h) const {
+    const int64_t b = BucketOf(h, total);
+    return total == local ? b : b % local;
+  }
+};
+
 template <typename H>
 JAXREC_HOST_DEVICE uint8_t DigestOf(H h) {
   const uint8_t d = static_cast<uint8_t>(h & 0xFF);
@@ -84,12 +97,18 @@ JAXREC_HOST_DEVICE int32_t NewScore(int32_t policy, int32_t old_score, bool foun
 }
 
 // Shapes and dtypes of a table's operands (keys, digests, scores, seen) and of the ids.
+// total_buckets: a positive multiple of num_buckets below 2**31 (Buckets).
 inline ffi::Error CheckTable(std::string_view op, const ffi::AnyBuffer& keys, const ffi::AnyBuffer& digests,
-                             const ffi::AnyBuffer* scores, const ffi::AnyBuffer* seen, const ffi::AnyBuffer& ids) {
+                             const ffi::AnyBuffer* scores, const ffi::AnyBuffer* seen, const ffi::AnyBuffer& ids,
+                             int64_t total_buckets) {
   const auto dims = keys.dimensions();
-  if (dims.size() != 2 || dims[1] < 1 || dims[1] > kMaxBucketSize) {
-    return Invalid(op, "keys must be [num_buckets, bucket_size] with bucket_size in [1, " +
+  if (dims.size() != 2 || dims[0] < 1 || dims[1] < 1 || dims[1] > kMaxBucketSize) {
+    return Invalid(op, "keys must be [num_buckets >= 1, bucket_size] with bucket_size in [1, " +
                            std::to_string(kMaxBucketSize) + "], got " + ShapeString(dims));
+  }
+  if (total_buckets < dims[0] || total_buckets % dims[0] != 0 || total_buckets >= (int64_t{1} << 31)) {
+    return Invalid(op, "total_buckets must be a multiple of num_buckets = " + std::to_string(dims[0]) +
+                           " below 2**31, got " + std::to_string(total_buckets));
   }
   if (!IsIndexType(keys.element_type()) || ids.element_type() != keys.element_type()) {
     return Invalid(op, "keys and ids must be both int32 or both int64, got " + DtypeName(keys.element_type()) +

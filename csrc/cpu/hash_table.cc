@@ -2,10 +2,12 @@
 // pieces and the layout: common/hash_table.h).
 //
 // jaxrec_hash_find: keys I[nb, S], digests u8[nb, S], ids I[N] -> slots s32[N] (-1: absent).
+//   Attribute total_buckets: nb, or the bucket count of the table that this one is a
+//   shard of (common/hash_table.h: Buckets).
 // jaxrec_hash_insert: keys, digests, scores s32, seen s32 (each aliased with its result),
 //   run_ids I[N] (the batch's distinct ids in hash order; an entry of count 0 is not an
 //   id), counts s32[N], step s32[] -> the four table results, run_slots s32[N], status
-//   s32[N] (hash_table::Status). Attribute policy (hash_table::Policy).
+//   s32[N] (hash_table::Status). Attributes policy (hash_table::Policy), total_buckets.
 // The runs of one bucket are consecutive; each bucket is placed by one item of the thread
 // pool (its lookups, then its new ids in order), so the result does not depend on the
 // thread count.
@@ -28,12 +30,12 @@ using namespace hash_table;  // NOLINT(build/namespaces): this file's own vocabu
 constexpr int64_t kIdsPerItem = 1 << 14;
 
 template <typename I>
-void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, int64_t num_buckets, int size,
+void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, Buckets buckets, int size,
           const I* ids, int64_t n, int32_t* slots) {
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {
     for (int64_t i = item * kIdsPerItem, end = std::min(n, (item + 1) * kIdsPerItem); i < end; ++i) {
       const auto h = Hash(ids[i]);
-      const int64_t first = BucketOf(h, num_buckets) * size;
+      const int64_t first = buckets.Of(h) * size;
       const int p = FindInBucket(keys + first, digests + first, size, DigestOf(h), ids[i]);
       slots[i] = p < 0 ? -1 : static_cast<int32_t>(first + p);
     }
@@ -41,7 +43,7 @@ void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, int64_t 
 }
 
 struct Table {
-  int64_t num_buckets;
+  Buckets buckets;
   int size;
   uint8_t* digests;
   int32_t* scores;
@@ -100,7 +102,7 @@ void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, cons
 template <typename I>
 void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, const int32_t* counts, int64_t n,
             int32_t step, int32_t policy, int32_t* run_slots, int32_t* status) {
-  auto bucket = [&](int64_t r) { return BucketOf(Hash(run_ids[r]), t.num_buckets); };
+  auto bucket = [&](int64_t r) { return t.buckets.Of(Hash(run_ids[r])); };
   // An item places the buckets whose first run lies in its share of the runs.
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {
     const int64_t stop = std::min(n, (item + 1) * kIdsPerItem);
@@ -123,12 +125,16 @@ void CopyUnlessAliased(const ffi::AnyBuffer& from, ffi::AnyBuffer& to) {
 }
 
 ffi::Error HashFindCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys, ffi::AnyBuffer digests, ffi::AnyBuffer ids,
-                       ffi::Result<ffi::Buffer<ffi::S32>> slots) {
-  if (ffi::Error e = CheckTable("jaxrec_hash_find", keys, digests, nullptr, nullptr, ids); e.failure()) return e;
+                       ffi::Result<ffi::Buffer<ffi::S32>> slots, int64_t total_buckets) {
+  if (ffi::Error e = CheckTable("jaxrec_hash_find", keys, digests, nullptr, nullptr, ids, total_buckets);
+      e.failure()) {
+    return e;
+  }
   const auto dims = keys.dimensions();
   return DispatchIndexType(keys.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
-    Find<I>(pool, keys.typed_data<I>(), digests.typed_data<uint8_t>(), dims[0], static_cast<int>(dims[1]),
+    Find<I>(pool, keys.typed_data<I>(), digests.typed_data<uint8_t>(), Buckets{dims[0], total_buckets},
+            static_cast<int>(dims[1]),
             ids.typed_data<I>(), ids.element_count(), slots->typed_data());
     return ffi::Error::Success();
   });
@@ -139,16 +145,20 @@ ffi::Error HashInsertCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys_in, ffi::AnyB
                          ffi::AnyBuffer counts, ffi::AnyBuffer step, ffi::Result<ffi::AnyBuffer> keys,
                          ffi::Result<ffi::AnyBuffer> digests, ffi::Result<ffi::AnyBuffer> scores,
                          ffi::Result<ffi::AnyBuffer> seen, ffi::Result<ffi::Buffer<ffi::S32>> run_slots,
-                         ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy, int64_t total_buckets) {
   constexpr std::string_view kOp = "jaxrec_hash_insert";
-  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids); e.failure()) return e;
+  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids, total_buckets);
+      e.failure()) {
+    return e;
+  }
   if (ffi::Error e = CheckInsert(kOp, run_ids, counts, step, policy); e.failure()) return e;
   CopyUnlessAliased(keys_in, *keys);
   CopyUnlessAliased(digests_in, *digests);
   CopyUnlessAliased(scores_in, *scores);
   CopyUnlessAliased(seen_in, *seen);
   const auto dims = keys_in.dimensions();
-  const Table t{dims[0], static_cast<int>(dims[1]), digests->typed_data<uint8_t>(), scores->typed_data<int32_t>(),
+  const Table t{Buckets{dims[0], total_buckets}, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
+                scores->typed_data<int32_t>(),
                 seen->typed_data<int32_t>()};
   return DispatchIndexType(keys_in.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
@@ -170,7 +180,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashFindCpu, jaxrec::cpu::HashFindCpu,
                                   .Arg<xla::ffi::AnyBuffer>()              // digests
                                   .Arg<xla::ffi::AnyBuffer>()              // ids
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // slots
-);
+                                  .Attr<int64_t>("total_buckets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCpu, jaxrec::cpu::HashInsertCpu,
                               xla::ffi::Ffi::Bind()
@@ -188,4 +198,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCpu, jaxrec::cpu::HashInsertCpu,
                                   .Ret<xla::ffi::AnyBuffer>()              // seen (aliased)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // run_slots
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-                                  .Attr<int32_t>("policy"));
+                                  .Attr<int32_t>("policy")
+                                  .Attr<int64_t>("total_buckets"));

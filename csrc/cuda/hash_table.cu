@@ -51,19 +51,19 @@ __device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, i
 }
 
 template <typename I>
-__global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict__ digests, int64_t num_buckets,
+__global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict__ digests, Buckets buckets,
                            int size, const I* __restrict__ ids, int64_t n, int32_t* __restrict__ slots) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= n) return;
   const I id = ids[i];
   const auto h = Hash(id);
-  const int64_t first = BucketOf(h, num_buckets) * size;
+  const int64_t first = buckets.Of(h) * size;
   const int p = FindFast(keys + first, digests + first, size, DigestOf(h), id);
   slots[i] = p < 0 ? -1 : static_cast<int32_t>(first + p);
 }
 
 struct Table {
-  int64_t num_buckets;
+  Buckets buckets;
   int size;
   uint8_t* digests;
   int32_t* scores;
@@ -83,7 +83,7 @@ __global__ void LookupRuns(Table t, const I* __restrict__ keys, const I* __restr
   }
   const I id = run_ids[r];
   const auto h = Hash(id);
-  const int64_t first = BucketOf(h, t.num_buckets) * t.size;
+  const int64_t first = t.buckets.Of(h) * t.size;
   const int p = FindFast(keys + first, t.digests + first, t.size, DigestOf(h), id);
   if (p < 0) {
     status[r] = kFailed;  // until placed
@@ -114,15 +114,15 @@ __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
   const int warp = threadIdx.x / kWarpSize;
   const int64_t begin = blockIdx.x * int64_t{kWarpsPerBlock} + warp;
   if (begin >= n) return;
-  const int64_t bucket = BucketOf(Hash(run_ids[begin]), t.num_buckets);
-  if (begin > 0 && BucketOf(Hash(run_ids[begin - 1]), t.num_buckets) == bucket) return;  // not its first run
+  const int64_t bucket = t.buckets.Of(Hash(run_ids[begin]));
+  if (begin > 0 && t.buckets.Of(Hash(run_ids[begin - 1])) == bucket) return;  // not its first run
 
   // The bucket's runs [begin, end), and whether any is new.
   int64_t end = begin;
   bool any_new = false;
   for (;; end += kWarpSize) {
     const int64_t r = end + lane;
-    const bool in = r < n && BucketOf(Hash(run_ids[r]), t.num_buckets) == bucket;
+    const bool in = r < n && t.buckets.Of(Hash(run_ids[r])) == bucket;
     any_new |= in && status[r] == kFailed;
     const uint32_t inside = __ballot_sync(0xffffffffu, in);
     if (inside != 0xffffffffu) {
@@ -186,16 +186,17 @@ ffi::Error CudaError(cudaError_t err, const char* op) {
 unsigned Blocks(int64_t items, int64_t per_block) { return static_cast<unsigned>((items + per_block - 1) / per_block); }
 
 ffi::Error HashFindCuda(cudaStream_t stream, ffi::AnyBuffer keys, ffi::AnyBuffer digests, ffi::AnyBuffer ids,
-                        ffi::Result<ffi::Buffer<ffi::S32>> slots) {
+                        ffi::Result<ffi::Buffer<ffi::S32>> slots, int64_t total_buckets) {
   constexpr const char* kOp = "jaxrec_hash_find";
-  if (ffi::Error e = CheckTable(kOp, keys, digests, nullptr, nullptr, ids); e.failure()) return e;
+  if (ffi::Error e = CheckTable(kOp, keys, digests, nullptr, nullptr, ids, total_buckets); e.failure()) return e;
   const int64_t n = ids.element_count();
   if (n == 0) return ffi::Error::Success();
   const auto dims = keys.dimensions();
   return DispatchIndexType(keys.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
     FindKernel<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(keys.typed_data<I>(), digests.typed_data<uint8_t>(),
-                                                                 dims[0], static_cast<int>(dims[1]),
+                                                                 Buckets{dims[0], total_buckets},
+                                                                 static_cast<int>(dims[1]),
                                                                  ids.typed_data<I>(), n, slots->typed_data());
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, kOp);
@@ -207,9 +208,12 @@ ffi::Error HashInsertCuda(cudaStream_t stream, ffi::AnyBuffer keys_in, ffi::AnyB
                           ffi::AnyBuffer counts, ffi::AnyBuffer step, ffi::Result<ffi::AnyBuffer> keys,
                           ffi::Result<ffi::AnyBuffer> digests, ffi::Result<ffi::AnyBuffer> scores,
                           ffi::Result<ffi::AnyBuffer> seen, ffi::Result<ffi::Buffer<ffi::S32>> run_slots,
-                          ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy) {
+                          ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy, int64_t total_buckets) {
   constexpr const char* kOp = "jaxrec_hash_insert";
-  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids); e.failure()) return e;
+  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids, total_buckets);
+      e.failure()) {
+    return e;
+  }
   if (ffi::Error e = CheckInsert(kOp, run_ids, counts, step, policy); e.failure()) return e;
   const std::pair<const ffi::AnyBuffer*, ffi::AnyBuffer*> state[] = {
       {&keys_in, &*keys}, {&digests_in, &*digests}, {&scores_in, &*scores}, {&seen_in, &*seen}};
@@ -222,7 +226,8 @@ ffi::Error HashInsertCuda(cudaStream_t stream, ffi::AnyBuffer keys_in, ffi::AnyB
   const int64_t n = run_ids.element_count();
   if (n == 0) return ffi::Error::Success();
   const auto dims = keys_in.dimensions();
-  const Table t{dims[0], static_cast<int>(dims[1]), digests->typed_data<uint8_t>(), scores->typed_data<int32_t>(),
+  const Table t{Buckets{dims[0], total_buckets}, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
+                scores->typed_data<int32_t>(),
                 seen->typed_data<int32_t>()};
   return DispatchIndexType(keys_in.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
@@ -248,7 +253,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashFindCuda, jaxrec::HashFindCuda,
                                   .Arg<xla::ffi::AnyBuffer>()              // digests
                                   .Arg<xla::ffi::AnyBuffer>()              // ids
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // slots
-);
+                                  .Attr<int64_t>("total_buckets"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCuda, jaxrec::HashInsertCuda,
                               xla::ffi::Ffi::Bind()
@@ -266,4 +271,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCuda, jaxrec::HashInsertCuda,
                                   .Ret<xla::ffi::AnyBuffer>()              // seen (aliased)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // run_slots
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-                                  .Attr<int32_t>("policy"));
+                                  .Attr<int32_t>("policy")
+                                  .Attr<int64_t>("total_buckets"));

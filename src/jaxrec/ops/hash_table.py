@@ -111,42 +111,60 @@ hash_ids = reference.hash_ids
 bucket_of = reference.bucket_of
 
 
-def find(table: HashTable, ids: jax.Array, *, backend: str = "auto") -> jax.Array:
+def shard_of(ids: jax.Array, num_buckets: int, shards: int) -> jax.Array:
+    """Each id's shard (``int32``) when a table of ``num_buckets`` buckets is split into
+    ``shards`` consecutive bucket ranges (``num_buckets % shards == 0``), each a table of
+    its own (a device's part of a sharded dynamic table). Slot ``s`` of shard ``d`` is
+    slot ``d * capacity / shards + s`` of the whole table: sharded and whole tables place
+    every id alike."""
+    if num_buckets % shards:
+        raise ValueError(f"num_buckets={num_buckets} must be a multiple of shards={shards}")
+    return bucket_of(ids, num_buckets) // (num_buckets // shards)
+
+
+def find(table: HashTable, ids: jax.Array, *, shards: int = 1, backend: str = "auto") -> jax.Array:
     """``int32`` slot of each id, -1 where the table does not hold it.
 
-    backend: "auto", "kernel" or "reference" (``jaxrec._ffi.dispatch``)."""
+    shards: the table is one of ``shards`` bucket ranges of a larger table, and ``ids`` are
+    the ids of its range (``shard_of``). backend: "auto", "kernel" or "reference"
+    (``jaxrec._ffi.dispatch``)."""
     ids = _check(table, ids)
-    return _find(table.keys, table.digests, ids, backend=backend)
+    return _find(table.keys, table.digests, ids, shards=shards, backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames="backend")
-def _find(keys, digests, ids, *, backend):
+@functools.partial(jax.jit, static_argnames=("shards", "backend"))
+def _find(keys, digests, ids, *, shards, backend):
     def kernel(keys, digests, ids):
         call = jax.ffi.ffi_call("jaxrec_hash_find", jax.ShapeDtypeStruct(ids.shape, jnp.int32),
                                 vmap_method="sequential")
-        return call(keys, digests, ids)
+        return call(keys, digests, ids, total_buckets=np.int64(keys.shape[0] * shards))
 
-    return _ffi.dispatch(kernel, reference.find, keys, digests, ids, backend=backend)
+    def ref(keys, digests, ids):
+        return reference.find(keys, digests, ids, shards)
+
+    return _ffi.dispatch(kernel, ref, keys, digests, ids, backend=backend)
 
 
 def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru",
-                   valid: jax.Array | None = None,
+                   valid: jax.Array | None = None, shards: int = 1,
                    backend: str = "auto") -> tuple[jax.Array, HashTable, InsertInfo]:
     """``(slots, table, info)``: every id's slot, inserting new ids (module doc).
 
     ``step``: the training step (LRU's score). ``valid``: ``bool[N]``, False for entries
-    that are not ids (a KJT's padding): they get slot -1 and change nothing.
+    that are not ids (a KJT's padding): they get slot -1 and change nothing. ``shards``:
+    as for ``find`` (the valid ids must be those of the table's range).
     backend: "auto", "kernel" or "reference" (``jaxrec._ffi.dispatch``).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     ids = _check(table, ids)
     valid = jnp.ones(ids.shape, bool) if valid is None else jnp.asarray(valid, bool)
-    return _find_or_insert(table, ids, jnp.asarray(step, jnp.int32), valid, policy=policy, backend=backend)
+    return _find_or_insert(table, ids, jnp.asarray(step, jnp.int32), valid, policy=policy, shards=shards,
+                           backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "backend"))
-def _find_or_insert(table, ids, step, valid, *, policy, backend):
+@functools.partial(jax.jit, static_argnames=("policy", "shards", "backend"))
+def _find_or_insert(table, ids, step, valid, *, policy, shards, backend):
     # One run per distinct hash (= distinct id: fmix is a bijection), in hash order.
     h = hash_ids(ids)
     order = jnp.argsort(h, stable=True)
@@ -167,11 +185,12 @@ def _find_or_insert(table, ids, step, valid, *, policy, backend):
                                    jax.ShapeDtypeStruct((n,), jnp.int32)),
             input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3}, vmap_method="sequential")
         *state, run_slots, status = call(keys, digests, scores, seen, run_ids, counts, step,
-                                         policy=np.int32(POLICIES.index(policy)))
+                                         policy=np.int32(POLICIES.index(policy)),
+                                         total_buckets=np.int64(keys.shape[0] * shards))
         return HashTable(*state), run_slots, status
 
     def ref(*args):
-        *state, run_slots, status = reference.insert_runs(*args, policy)
+        *state, run_slots, status = reference.insert_runs(*args, policy, shards)
         return HashTable(*state), run_slots, status
 
     new, run_slots, status = _ffi.dispatch(kernel, ref, *table, run_ids, counts, step, backend=backend)

@@ -54,22 +54,29 @@ def _mul_hi32(x: jax.Array, n: int) -> jax.Array:
     return a * c + (ad >> 16) + (bc >> 16) + (mid >> 16)
 
 
-def _lookup(keys, digests, ids) -> tuple[jax.Array, jax.Array]:
+def local_bucket(h: jax.Array, num_buckets: int, shards: int) -> jax.Array:
+    """The bucket in a table that is one of ``shards`` bucket ranges of ``num_buckets``
+    each (``hash_table.shard_of``): the id's bucket in the whole table, in its range."""
+    bucket = bucket_of_hash(h, num_buckets * shards)
+    return bucket if shards == 1 else bucket % num_buckets
+
+
+def _lookup(keys, digests, ids, shards) -> tuple[jax.Array, jax.Array]:
     """``(slot, found)`` of each id: its bucket's slots of equal digest compared with it."""
     num_buckets, size = keys.shape
     h = hash_ids(ids)
-    bucket = bucket_of_hash(h, num_buckets)
+    bucket = local_bucket(h, num_buckets, shards)
     match = (digests[bucket] == digest_of_hash(h)[:, None]) & (keys[bucket] == ids[:, None])
     return bucket * size + jnp.argmax(match, axis=1).astype(jnp.int32), jnp.any(match, axis=1)
 
 
-def find(keys, digests, ids) -> jax.Array:
+def find(keys, digests, ids, shards: int = 1) -> jax.Array:
     """``int32`` slot of each id, -1 where the table does not hold it."""
-    slot, found = _lookup(keys, digests, ids)
+    slot, found = _lookup(keys, digests, ids, shards)
     return jnp.where(found, slot, -1)
 
 
-def insert_runs(keys, digests, scores, seen, run_ids, counts, step, policy: str):
+def insert_runs(keys, digests, scores, seen, run_ids, counts, step, policy: str, shards: int = 1):
     """``(keys, digests, scores, seen, run_slots, status)``: the table's new state and
     where each run went. Places a batch's distinct ids (``hash_table``'s
     module doc). ``run_ids[r]`` is an id of the batch where ``counts[r] > 0`` (how often
@@ -79,7 +86,7 @@ def insert_runs(keys, digests, scores, seen, run_ids, counts, step, policy: str)
     shape = num_buckets, size = keys.shape
     capacity = keys.size
     is_id = counts > 0
-    slot, found = _lookup(keys, digests, run_ids)
+    slot, found = _lookup(keys, digests, run_ids, shards)
     found &= is_id
     flat_used, flat_scores = digests.reshape(-1) != 0, scores.reshape(-1)
     hit = jnp.zeros((capacity,), bool).at[jnp.where(found, slot, capacity)].set(True, mode="drop")
@@ -87,7 +94,7 @@ def insert_runs(keys, digests, scores, seen, run_ids, counts, step, policy: str)
     # New ids: their rank among the batch's new ids of their bucket (hash order).
     missing = is_id & ~found
     h = hash_ids(run_ids)
-    bucket = bucket_of_hash(h, num_buckets)
+    bucket = local_bucket(h, num_buckets, shards)
     key = jnp.where(missing, bucket, num_buckets)
     by_bucket = jnp.argsort(key, stable=True)
     sorted_key = key[by_bucket]
