@@ -2,9 +2,10 @@
 
 Training on raw ids equals training an ordinary fused collection of the same rows on the
 slots that a Python dict model of the hash table assigns (tests/test_hash_table.py's),
-with each new id's row drawn anew and its optimizer state zeroed before the step: the
-same losses, rows and optimizer state after every step, evictions happening. Evaluation
-only looks up; the portable form carries the index."""
+with each new id's row drawn anew (from a key of the table, the step and the id) and its
+optimizer state zeroed before the step: the same losses, rows and optimizer state after
+every step, evictions happening. Evaluation only looks up; the portable form carries the
+index."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hash_table_testing import DictModel, fmix
+from hash_table_testing import DictModel
 
 import jaxrec.parallel as par
 from jaxrec.nn import DynamicVocab, EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, make_train_step
@@ -76,14 +77,12 @@ def test_training_equals_an_ordinary_table_on_the_dict_models_slots():
         evicted += out
         # the ordinary table: the new ids' rows drawn as the dynamic table draws them, state zeroed
         key = jax.random.fold_in(jax.random.key(zlib.crc32(b"t_user")), step)
-        drawn = np.asarray(config.init(key, rows=64))
-        # a new id's row: its rank among the batch's distinct ids, in hash order
-        order = sorted(set(users.tolist()), key=lambda u: fmix(u, 32))
         weights = np.asarray(plain.ebc.split_embedding_weights()["t_user"]).copy()
         states = {k: np.asarray(v).copy() for k, v in plain.ebc.split_optimizer_states()["t_user"].items()}
-        for u in order:
-            if model.slot_of.get(u, -1) in fresh:
-                weights[model.slot_of[u]] = drawn[order.index(u)]
+        for u in set(users.tolist()):
+            if model.slot_of.get(u, -1) in fresh:  # a new id's row: drawn from its own key
+                weights[model.slot_of[u]] = np.asarray(
+                    config.init(jax.random.fold_in(key, np.uint32(u % 2**32)), rows=1))[0]
                 for v in states.values():
                     v[model.slot_of[u]] = 0
         plain.ebc.set_embedding_weights({"t_user": weights})
@@ -173,7 +172,7 @@ def test_bad_dynamic_tables_are_refused_with_the_fix():
     ebc = EmbeddingBagCollection(tables(True), optimizer=RowWiseAdagrad(learning_rate=0.1), rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
     plan = par.construct_plan(tables(True), {t.name: par.table_wise(0) for t in tables(True)}, 2)
-    with pytest.raises(NotImplementedError, match="not sharded yet"):
+    with pytest.raises(ValueError, match="sharded ROW_WISE over every device"):  # tests/parallel
         par.shard(ebc, plan, mesh)
     with pytest.raises(NotImplementedError, match="serving does not support yet"):
         quantize(Model(ebc))

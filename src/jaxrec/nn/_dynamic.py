@@ -15,8 +15,13 @@ counters. A lookup maps the raw ids to slots first:
   nothing (the group's lookup runs under bounds-check NONE, whose out-of-range ids add
   nothing: docs/bounds_check.md), and are counted.
 
-Fresh rows are drawn like the table's initial rows (its bounds or ``init_fn``) from a key
-that depends on the table's name and the fused step only, so a resumed run draws the same.
+Fresh rows are drawn like the table's initial rows (its bounds or ``init_fn``), each from
+a key of the table's name, the fused step and the id alone (``fresh_rows``): a resumed run
+draws the same, and so does a table sharded over devices (``jaxrec.parallel``), whose
+devices see other batches of ids.
+
+``shards``: the index is one of ``shards`` bucket ranges of the table (a device's part of a
+sharded table, ``hash_table.shard_of``), ``valid`` marking the ids of its range.
 """
 
 from __future__ import annotations
@@ -57,23 +62,42 @@ def new_index(config) -> IndexState:
     return IndexState(table, zero, zero, zero, zero)
 
 
-def slots_for_training(index: DynamicIndex, tables: FusedEmbeddingTables, config, ids, valid):
+def slots_for_training(index: DynamicIndex, tables: FusedEmbeddingTables, config, ids, valid, *,
+                       shards: int = 1):
     """``(slots, tables)``: the ids' slots (inserting new ids) and the tables with the new
     ids' rows drawn anew; the index is updated."""
     state = index.get_value()
     slots, table, info = hash_table.find_or_insert(
-        state.table, _ids(ids, state), tables.step, policy=config.dynamic.eviction, valid=valid)
+        state.table, _ids(ids, state), tables.step, policy=config.dynamic.eviction, valid=valid,
+        shards=shards)
     index.set_value(IndexState(table, state.inserted + info.inserted, state.evicted + info.evicted,
                                state.failed + info.failed, state.unknown))
-    key = jax.random.fold_in(jax.random.key(zlib.crc32(config.name.encode())), tables.step)
-    rows = config.init(key, rows=ids.shape[0])
-    return slots, reset_rows(tables, info.fresh_slots, rows)
+    # the id now held by each fresh slot (entries past the fresh ones: out of range, not reset)
+    new_ids = table.keys.reshape(-1)[jnp.minimum(info.fresh_slots, table.capacity - 1)]
+    return slots, reset_rows(tables, info.fresh_slots, fresh_rows(config, tables.step, new_ids))
 
 
-def slots_for_eval(index: DynamicIndex, ids, valid):
+def fresh_rows(config, step, ids: jax.Array) -> jax.Array:
+    """``float32[N, dim]``: the new rows of ``ids`` at fused step ``step``, each drawn like
+    the table's initial rows from ``fold_in(fold_in(key(crc32(name)), step), id)`` (an int64
+    id folded in as its two 32-bit words, low first): a row depends on the id, not on the
+    batch it came in nor on the device that holds it."""
+    base = jax.random.fold_in(jax.random.key(zlib.crc32(config.name.encode())), step)
+    words = jax.lax.bitcast_convert_type(ids, jnp.uint32).reshape(ids.shape[0], -1)
+
+    def one(word):
+        key = base
+        for w in word:
+            key = jax.random.fold_in(key, w)
+        return config.init(key, rows=1)[0]
+
+    return jax.vmap(one)(words)
+
+
+def slots_for_eval(index: DynamicIndex, ids, valid, *, shards: int = 1):
     """The ids' slots, -1 for ids the index does not hold (counted as unknown)."""
     state = index.get_value()
-    slots = hash_table.find(state.table, _ids(ids, state))
+    slots = hash_table.find(state.table, _ids(ids, state), shards=shards)
     unknown = jnp.sum(valid & (slots < 0), dtype=jnp.int32)
     index.set_value(state._replace(unknown=state.unknown + unknown))
     return jnp.where(valid, slots, -1)

@@ -22,6 +22,9 @@ Groups, by how their pooled results travel back to the batch owners:
   an ``all_to_all``; the receivers concatenate column pieces and sum row pieces.
 * ``reduce``: ROW_WISE tables, by (dim, dtype): every device has the same slots (one
   per feature), so one ``psum_scatter`` sums the partial bags and scatters the batch.
+  A dynamic vocabulary is a reduce group of its own (``Group.dynamic``), split in equal
+  blocks over the devices in order: device d's block is its part of the hash index
+  (``jaxrec.parallel._dynamic``).
 * ``dp``: DATA_PARALLEL tables, by dtype: the whole tables on every device, in a
   normal ``TableLayout``; no communication in the forward.
 
@@ -70,6 +73,8 @@ class Group:
     slot_lo: tuple[tuple[int, ...], ...]
     slot_hi: tuple[tuple[int, ...], ...]
     pieces: tuple[Piece, ...]
+    dynamic: bool = False
+    """One dynamic-vocabulary table (ROW_WISE, equal blocks): ids map to rows by its hash index."""
 
     @property
     def num_slots(self) -> int:
@@ -133,6 +138,8 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
     n = plan.world_size
     for t in tables:
         plan[t.name].check(t.name, t.rows, t.dim, n)
+        if t.dynamic:
+            _check_dynamic(t, plan[t.name], n)
     features = tuple(f for t in tables for f in t.features)
     feature_table = tuple(i for i, t in enumerate(tables) for _ in t.features)
     first_feature = np.concatenate([[0], np.cumsum([len(t.features) for t in tables])])
@@ -141,21 +148,21 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
     buckets: dict[tuple, list[int]] = {}
     for i, (t, kind) in enumerate(zip(tables, kinds)):
         if kind == ShardingType.DATA_PARALLEL:
-            key = (DP, 0, t.dtype)
+            key = (DP, 0, t.dtype, "")
         elif kind == ShardingType.ROW_WISE:
-            key = (REDUCE, t.dim, t.dtype)
+            key = (REDUCE, t.dim, t.dtype, t.name if t.dynamic else "")  # dynamic: a group of its own
         else:
             for s in plan[t.name].shards:
-                buckets.setdefault((A2A, s.num_cols, t.dtype), [])
-                if i not in buckets[(A2A, s.num_cols, t.dtype)]:
-                    buckets[(A2A, s.num_cols, t.dtype)].append(i)
+                buckets.setdefault((A2A, s.num_cols, t.dtype, ""), [])
+                if i not in buckets[(A2A, s.num_cols, t.dtype, "")]:
+                    buckets[(A2A, s.num_cols, t.dtype, "")].append(i)
             continue
         buckets.setdefault(key, []).append(i)
 
     groups, where = [], {}  # where[(table, device, feature)] = (group, slot)
     order = sorted(buckets, key=lambda k: ({A2A: 0, REDUCE: 1, DP: 2}[k[0]], min(buckets[k])))
-    for kind, dim, dtype in order:
-        members = buckets[(kind, dim, dtype)]
+    for kind, dim, dtype, dynamic in order:
+        members = buckets[(kind, dim, dtype, dynamic)]
         g = len(groups)
         if kind == DP:
             groups.append(_dp_group(tables, members, dtype, n, first_feature))
@@ -164,11 +171,26 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
                 where[(t, -1, f)] = (g, slot)
             continue
         group, slots = _sharded_group(kind, dim, dtype, members, tables, plan, first_feature)
-        groups.append(group)
+        groups.append(dataclasses.replace(group, dynamic=bool(dynamic)))
         where.update({key: (g, slot) for key, slot in slots.items()})
 
     contributors = _contributors(tables, kinds, plan, groups, where, n)
     return ShardedLayout(n, tables, kinds, features, feature_table, tuple(groups), contributors)
+
+
+def _check_dynamic(table: TableSpec, sharding, n: int) -> None:
+    """A dynamic table's plan: ROW_WISE over every device in order, in equal blocks (each
+    device's block is one bucket range of the hash index, ``hash_table.shard_of``)."""
+    block = table.rows // n
+    even = tuple((s.device, s.row_offset, s.num_rows) for s in sharding.shards) == tuple(
+        (d, d * block, block) for d in range(n))
+    if sharding.sharding_type != ShardingType.ROW_WISE or table.rows % n or not even:
+        raise ValueError(
+            f"table {table.name!r} is a dynamic vocabulary: it is sharded ROW_WISE over every device "
+            f"in order, in equal blocks of rows (each device holds one bucket range of its hash "
+            f"index), and its num_embeddings={table.rows} must be a multiple of the {n} devices; got "
+            f"{sharding.sharding_type.value} on devices {list(sharding.ranks)}. Plan it with "
+            "jaxrec.parallel.row_wise() (the planner does)")
 
 
 def _sharded_group(kind, dim, dtype, members, tables, plan, first_feature

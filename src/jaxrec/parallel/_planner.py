@@ -131,6 +131,12 @@ class EmbeddingShardingPlanner:
     # -- stage 1: options -----------------------------------------------------------------
     def _allowed(self, spec: TableSpec) -> list[ST]:
         c = self.constraints.get(spec.name)
+        if spec.dynamic:  # each device holds one bucket range of the hash index: rows split evenly
+            if c and c.sharding_types and ST.ROW_WISE not in c.sharding_types:
+                raise ValueError(f"table {spec.name!r} is a dynamic vocabulary, which is sharded ROW_WISE "
+                                 f"over every device only; its constraints allow "
+                                 f"{[t.value for t in c.sharding_types]}: allow 'row_wise'")
+            return [ST.ROW_WISE]
         allowed = list(c.sharding_types) if c and c.sharding_types else [
             ST.TABLE_WISE, ST.COLUMN_WISE, ST.ROW_WISE, ST.DATA_PARALLEL]
         separable = self.optimizer is None or type(self.optimizer).__name__ in _COLUMN_SEPARABLE

@@ -20,6 +20,12 @@ optimizer state and step of the fused optimizer) or an ``nnx.Param``, whose arra
 global and sharded over the axis (each device's block is its virtual table), replicated
 for data-parallel groups. ``split_embedding_weights`` / ``portable_tables`` give the
 whole tables back; ``load_portable_tables`` takes them from any plan.
+
+A dynamic-vocabulary table (``EmbeddingBagConfig(dynamic=...)``) is ROW_WISE in equal
+blocks, each device's block holding one bucket range of the hash index: ids go to the
+device of their hash, which maps them to rows (``_dynamic.py``). ``dynamic_statistics``,
+``dynamic_changes``, evaluation (``model.eval()``: ``deterministic``) and the portable
+form (with the whole index) are those of the unsharded collection.
 """
 
 from __future__ import annotations
@@ -38,11 +44,12 @@ from jaxrec import _step_guard
 from jaxrec._mesh import on_mesh, replicate, to_host
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
-from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices
+from jaxrec.nn._dynamic import DynamicIndex, statistics
+from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, hash_table
 from jaxrec.ops.bounds_check import as_bounds_check_mode
 from jaxrec.ops.tbe_kjt import features_in_order, require_features
 from jaxrec.optim import SGD, Adagrad, Adam, OptimizerConfig
-from jaxrec.parallel import _dist, _row_return
+from jaxrec.parallel import _dist, _dynamic, _row_return
 from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout
 from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
 from jaxrec.parallel._table_spec import table_specs
@@ -126,10 +133,13 @@ class ShardedEmbeddingBagCollection(TableCollection):
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {[d.name for d in _COMM_DTYPES]}, got "
                              f"{comm_dtype.name}")
-        dynamic = [t.name for t in tables if getattr(t, "dynamic", None) is not None]
-        if dynamic:
-            raise NotImplementedError(f"tables {dynamic} are dynamic vocabularies, which are not sharded yet "
-                                      "(docs/dynamic_vocab.md); use them in an unsharded EmbeddingBagCollection")
+        dynamic = [t for t in tables if getattr(t, "dynamic", None) is not None]
+        if dynamic and optimizer is None:
+            raise ValueError(f"tables {[t.name for t in dynamic]} are dynamic vocabularies, whose new ids' "
+                             "rows and optimizer state are reset inside the step: give the collection a "
+                             "fused optimizer (optimizer=RowWiseAdagrad(...) etc.)")
+        for t in dynamic:
+            _dynamic.check(t, plan.world_size)
         if (rngs is None) == (initial is None):
             raise ValueError("pass exactly one of rngs= (new tables) or initial= (portable tables)")
         self.layout = build_layout(table_specs(tables), plan)
@@ -154,10 +164,14 @@ class ShardedEmbeddingBagCollection(TableCollection):
         self.feature_names = self.layout.features
         self.row_return_capacity = (0,) * len(self.layout.groups)  # fit_row_return sizes it
         self.dropped_ids = DroppedIds(jnp.zeros((), jnp.int32))
+        self.deterministic = False  # dynamic tables: insert new ids (flax's model.train / model.eval)
         if initial is None:  # keys drawn in config order; each table to the host at once, in its
             # dtype, so that the default device never holds more than one (MLPerf's 40M-row ones)
             initial = {t.name: {"weights": to_host(t.init(rngs.params()).astype(t.dtype))} for t in tables}
         self.tables = nnx.List(self._variables(initial))
+        # one hash index per dynamic group, in group order (_dynamic.py), empty unless given
+        self.indices = nnx.List([DynamicIndex(_dynamic.sharded_index(
+            config, mesh, axis_name, initial[config.name].get("index"))) for config in self._dynamic_configs()])
 
     # -- TorchRec's accessors (and jaxrec.nn.TableCollection's) ---------------------------
     def embedding_bag_configs(self) -> list[EmbeddingBagConfig]:
@@ -183,12 +197,57 @@ class ShardedEmbeddingBagCollection(TableCollection):
         for group, value in zip(self.layout.groups, values):
             for p in group.pieces:
                 out[names[p.table]]["step"] = value.state.step
+        for name, index in self._indices().items():  # the whole table's index, as unsharded
+            out[name]["index"] = _dynamic.to_portable(index.get_value())
         return out
 
     def load_portable_tables(self, portable: Mapping[str, Mapping[str, jax.Array]]) -> None:
         """Replaces the tables (and optimizer state) by ``portable`` (``portable_tables``)."""
+        missing = [name for name in self._indices() if "index" not in portable.get(name, {})]
+        if missing:
+            raise ValueError(f"the portable tables {missing} lack the 'index' of their dynamic "
+                             "vocabulary; give portable_tables() of a collection with these tables")
         for var, new in zip(self.tables, self._variables(portable)):
             var.set_value(new.get_value())
+        for config, index in zip(self._dynamic_configs(), self.indices):
+            index.set_value(_dynamic.sharded_index(config, self.mesh, self.axis_name,
+                                                   portable[config.name]["index"]))
+
+    def split_optimizer_states(self) -> dict[str, dict[str, jax.Array]]:
+        """``{table name: {state name: [rows, dim] or [rows]}}`` of the fused optimizer."""
+        return {name: {k: v for k, v in states.items() if k != "index"}
+                for name, states in super().split_optimizer_states().items()}
+
+    # -- dynamic vocabularies (_dynamic.py) ---------------------------------------------
+    def _dynamic_configs(self) -> list[EmbeddingBagConfig]:
+        """The configs of the dynamic tables, in group order (each is a group of its own)."""
+        return [self.table_configs[g.pieces[0].table] for g in self.layout.groups if g.dynamic]
+
+    def _indices(self) -> dict[str, DynamicIndex]:
+        """``{table name: its DynamicIndex}`` of the dynamic tables."""
+        return dict(zip((c.name for c in self._dynamic_configs()), self.indices))
+
+    def dynamic_statistics(self) -> dict[str, dict[str, jax.Array]]:
+        """``{table name: statistics}`` of the dynamic tables, over the whole table (every
+        device's part and counters): ``size``, ``load_factor``, ``inserted``, ``evicted``,
+        ``failed_inserts``, ``unknown_lookups`` (docs/dynamic_vocab.md)."""
+        return {name: statistics(_dynamic.totals(index.get_value()))
+                for name, index in self._indices().items()}
+
+    def dynamic_changes(self, table: str, since_step: int) -> dict[str, np.ndarray]:
+        """``{"ids", "rows"}`` (NumPy) of dynamic table ``table``: the ids that training saw
+        at fused step ``since_step`` or later and their rows now (as the unsharded
+        collection's ``dynamic_changes``)."""
+        indices = self._indices()
+        if table not in indices:
+            raise ValueError(f"{table!r} is not a dynamic table of collection {self.name!r}; its dynamic "
+                             f"tables: {sorted(indices)}")
+        ids, slots = hash_table.changed_since(indices[table].get_value().table, since_step)
+        (i,) = [i for i, g in enumerate(self.layout.groups)
+                if g.dynamic and self.table_configs[g.pieces[0].table].name == table]
+        # equal blocks in device order: the group's global buffer is the table, slot by slot
+        weights = self.tables[i].get_value().weights.reshape(-1, self.layout.groups[i].layout.dims[0])
+        return {"ids": ids, "rows": to_host(weights[slots])}
 
     # -- the lookup (per device, inside shard_map) --------------------------------------
     def __call__(self, features: KeyedJaggedTensor) -> KeyedTensor:
@@ -224,6 +283,12 @@ class ShardedEmbeddingBagCollection(TableCollection):
             row = {k: jnp.asarray(v.astype(values.dtype))[0 if group.kind == DP else me]
                    for k, v in arrays.items()}
             ids = local if group.kind == DP and not self.fused else everyone
+            table = self.tables[i].get_value()
+            if group.dynamic:  # raw ids to global slots (-1: not this device's, refused, unknown)
+                config = self.table_configs[group.pieces[0].table]
+                features = [f for f, t in enumerate(layout.feature_table) if t == group.pieces[0].table]
+                ids, table = _dynamic.map_ids(self._indices()[config.name], table, config, ids, features,
+                                              me, layout.world_size, training=not self.deterministic)
             need = {"weighted": weighted, "need_weights": weighted or bool((mean & here).any())}
             if max_ids:
                 group_values, offsets, psw = _dist.window_input(
@@ -233,7 +298,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
             repeated = group.kind == DP and self.fused  # the global batch, on every device
             if repeated and psw is not None:
                 psw = _dist.repeated(psw, layout.world_size)
-            out = _dist.lookup(self.tables[i].get_value(), group, group_values, offsets, psw,
+            out = _dist.lookup(table, group, group_values, offsets, psw,
                                fused=self.fused, backend=self.backend)
             if repeated:
                 out = _dist.own_rows(out, self.axis_name, batch)
@@ -261,7 +326,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
         the wire than the pooled bags."""
         here, max_ids = self._group_bound(group)
         rows = (self.layout.world_size > 1 and max_ids > 0  # one device: nothing to send
-                and 0 < capacity < batch * group.num_slots)
+                and 0 < capacity < batch * group.num_slots and not group.dynamic)
         return here, max_ids, rows
 
     def _row_return(self, i, local, max_ids, mean, weighted):
@@ -304,7 +369,8 @@ class ShardedEmbeddingBagCollection(TableCollection):
         ids = [_ids_by_feature(kjt, self.layout.features) for kjt in kjts]
         capacity = list(self.row_return_capacity)
         for i, group in enumerate(self.layout.groups):
-            if group.kind != DP and self._group_bound(group)[1] and _row_return.fits_keys(group):
+            if group.kind != DP and not group.dynamic and self._group_bound(group)[1] and \
+                    _row_return.fits_keys(group):
                 capacity[i] = max(capacity[i], _row_return.fit_capacity(group, rows, ids))
         self.row_return_capacity = tuple(capacity)
 
@@ -322,9 +388,15 @@ class ShardedEmbeddingBagCollection(TableCollection):
         # device that failed alone would leave the others waiting in the next collective.
         fatal = mode == BoundsCheckMode.FATAL
         rows = [self.layout.tables[t].rows for t in self.layout.feature_table]
+        dynamic = [f for f, t in enumerate(self.layout.feature_table) if self.layout.tables[t].dynamic]
+        if dynamic:  # raw ids of dynamic tables: any value is an id; the offsets are still checked
+            raw, raw_position = values, _dynamic.dynamic_positions(values, offsets, dynamic, kjt.stride())
+            values = jnp.where(raw_position, 0, values)
         values, offsets, corrected = bounds_check_indices(
             rows, values, offsets, BoundsCheckMode.WARNING if fatal else mode,
             feature_names=list(self.layout.features), backend=self.backend)
+        if dynamic:
+            values = jnp.where(raw_position, raw, values)
         if fatal:
             self._raise_everywhere(_bad_ids_message, corrected[None].astype(jnp.int32))
         lengths = offsets[1:] - offsets[:-1]
@@ -495,6 +567,10 @@ def portable_from_collection(ebc: EmbeddingBagCollection) -> dict[str, dict[str,
             for t, states in zip(group.tables, tables.split_optimizer_states()):
                 out[t.name].update(states)
                 out[t.name]["step"] = tables.step
+    dynamic = [g.tables[0].name for g in ebc.groups if g.dynamic]  # ebc.indices: in group order
+    for name, index in zip(dynamic, ebc.indices):
+        state = index.get_value()
+        out[name]["index"] = {**state.table._asdict(), **{f: getattr(state, f) for f in _dynamic.COUNTERS}}
     return out
 
 

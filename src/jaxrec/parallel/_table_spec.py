@@ -23,6 +23,8 @@ class TableSpec:
     features: tuple[str, ...]
     pooling: PoolingMode = PoolingMode.SUM
     dtype: str = "float32"
+    dynamic: bool = False
+    """A dynamic vocabulary (``EmbeddingBagConfig(dynamic=...)``): ROW_WISE over every device."""
 
 
 def table_specs(tables) -> tuple[TableSpec, ...]:
@@ -37,7 +39,8 @@ def table_specs(tables) -> tuple[TableSpec, ...]:
             specs.append(TableSpec(t.name, int(t.num_embeddings), int(t.embedding_dim),
                                    tuple(t.feature_names),
                                    as_pooling_mode(getattr(t, "pooling", PoolingMode.SUM)),
-                                   jnp.dtype(getattr(t, "dtype", "float32")).name))
+                                   jnp.dtype(getattr(t, "dtype", "float32")).name,
+                                   getattr(t, "dynamic", None) is not None))
         except AttributeError as e:
             raise TypeError(f"tables must be EmbeddingBagConfig-like (name, num_embeddings, "
                             f"embedding_dim, feature_names), got {t!r}: {e}") from None
