@@ -12,6 +12,9 @@ each timed in this one process with the same dense part and dense optimizer (Ada
                   with its default on_nonfinite="raise" and, as "..._unguarded", with
                   "ignore" (no finiteness checks): what the step guard costs;
 - jaxrec DLRM_DCN (3 cross layers, rank 512), fused rowwise Adagrad;
+- jaxrec, fused, dynamic: every table a dynamic vocabulary (``DynamicVocab()``, LRU, its
+                  rows rounded up to a multiple of 128) fed the same ids, which its hash
+                  index maps to slots in the step (docs/dynamic_vocab.md);
 - plain JAX:      26 nnx.Embed-style tables (a gather per feature), optax.adagrad / sgd
                   over every parameter: the dense gradient of each table (XLA may turn
                   SGD's scatter into zeros + add into a scatter into the table);
@@ -54,7 +57,7 @@ from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._report import write_json
 from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, Batch, SyntheticClickLog
 from jaxrec.models import DLRM, DLRM_DCN
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
+from jaxrec.nn import DynamicVocab, EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
 from jaxrec.optim import Adagrad, RowWiseAdagrad
 from jaxrec.sparse import KeyedJaggedTensor, KeyedTensor
 
@@ -162,8 +165,13 @@ def build(variant, keys, sizes, batch_size, dtype="float32", dense_dtype=None):
     else:
         config = Adagrad(learning_rate=0.01) if "exact_adagrad" in variant else RowWiseAdagrad(
             learning_rate=0.01)
-        tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM,
-                                     feature_names=[k], dtype=dtype) for k, n in zip(keys, sizes)]
+        if variant.endswith(DYNAMIC):
+            tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=-(-n // 128) * 128, embedding_dim=DIM,
+                                         feature_names=[k], dtype=dtype, dynamic=DynamicVocab())
+                      for k, n in zip(keys, sizes)]
+        else:
+            tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM,
+                                         feature_names=[k], dtype=dtype) for k, n in zip(keys, sizes)]
         sparse = EmbeddingBagCollection(tables, optimizer=config, rngs=rngs)
     if variant == "embeddings_only":
         cotangent = jax.random.normal(jax.random.key(1), (batch_size, DIM * len(keys))) * 1e-3
@@ -198,6 +206,7 @@ def _labels(model):
 
 UNGUARDED = "_unguarded"  # the same step with on_nonfinite="ignore": what the guard costs
 BF16_DENSE = "_bf16_dense"  # the MLPs, interaction and cross net computed in bfloat16 (dtype=)
+DYNAMIC = "_dynamic"  # every table a dynamic vocabulary
 
 
 def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per_bag=None):
@@ -227,6 +236,10 @@ def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))  # fused slots included
     optax_bytes = sum(getattr(x, "nbytes", 0) for x in jax.tree.leaves(optimizer.opt_state))
     placement = {}
+    if base.endswith(DYNAMIC):  # what the indices did over the run, summed over the tables
+        stats = model.sparse_arch.dynamic_statistics().values()
+        placement["dynamic"] = {k: int(sum(int(s[k]) for s in stats))
+                                for k in ("size", "inserted", "evicted", "failed_inserts")}
     if mesh is not None:  # where the planner put each table, and each device's ids per sample
         plan = next(m for _, m in nnx.iter_modules(model) if isinstance(m, par.ShardedEmbeddingBagCollection)).plan
         placement["plan"] = {name: [ps.sharding_type.value, [s.device for s in ps.shards]]
@@ -277,7 +290,8 @@ def main(argv=None) -> int:
     else:
         keys, sizes, dtype = log.keys, log.table_sizes, "float32"
         batches = list(log.batches(batch_size * args.devices, 4))
-        variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED, "fused_exact_adagrad",
+        variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED,
+                    "fused_rowwise_adagrad" + DYNAMIC, "fused_exact_adagrad",
                     "dcn_fused_rowwise_adagrad", "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
     if mesh is None:
         batches = [jax.device_put(b) for b in batches]

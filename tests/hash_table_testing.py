@@ -5,6 +5,7 @@ tests/nn/test_dynamic_vocab.py check the table and the dynamic collections again
 from __future__ import annotations
 
 import collections
+import zlib
 
 import numpy as np
 
@@ -25,6 +26,17 @@ def fmix(i: int, bits: int) -> int:
     h ^= h >> 33
     h = (h * 0xC4CEB9FE1A85EC53) & M64
     return h ^ (h >> 33)
+
+
+def fresh_row(name: str, step: int, i: int, bits: int, dim: int, low: float, high: float) -> np.ndarray:
+    """A dynamic table's new row for id ``i`` (jaxrec.nn._dynamic.fresh_rows, default init):
+    uniform in [low, high) from fmix32 of (crc32 of the name, step, the id's words, column)."""
+    h = fmix(zlib.crc32(name.encode()) ^ fmix(step, 32), 32)
+    words = [i & M32] if bits == 32 else [i & M32, (i >> 32) & M32]
+    for w, word in enumerate(words):
+        h = fmix(h ^ fmix((word + 0x9E3779B9 * (w + 1)) & M32, 32), 32)
+    unit = np.array([fmix(h ^ ((c * 0x85EBCA77) & M32), 32) >> 8 for c in range(dim)], np.float32) * np.float32(2**-24)
+    return np.float32(low) + np.float32(high - low) * unit
 
 
 class DictModel:

@@ -51,7 +51,7 @@ def test_find_or_insert_equals_the_dict_model(platform, backend, policy):
         np.testing.assert_array_equal(ids_changed, model.keys[want])
         fresh = np.asarray(info.fresh_slots)
         np.testing.assert_array_equal(np.sort(fresh[fresh < table.capacity]), sorted(want_fresh))
-        got_counts = (int(info.inserted), int(info.evicted), int(info.failed))
+        got_counts = (int(info.inserted[0]), int(info.evicted[0]), int(info.failed[0]))
         assert got_counts == want_counts, (step, got_counts, want_counts)
         totals += want_counts
         # every id holds its own slot: no two ids share one
@@ -106,7 +106,7 @@ def test_every_distinct_id_gets_its_own_slot_below_capacity(platform):
     slots = []
     for i, chunk in enumerate(np.split(ids, 10)):
         s, table, info = step(table, jnp.asarray(chunk), i)
-        assert int(info.inserted) == chunk.size and int(info.evicted) == int(info.failed) == 0
+        assert int(info.inserted[0]) == chunk.size and int(info.evicted[0]) == int(info.failed[0]) == 0
         slots.append(np.asarray(s))
     slots = np.concatenate(slots)
     assert slots.min() >= 0 and np.unique(slots).size == ids.size
@@ -159,3 +159,41 @@ def test_a_table_split_into_bucket_ranges_places_ids_as_the_whole_table(platform
             np.testing.assert_array_equal(np.concatenate([np.asarray(getattr(p, field)) for p in parts]),
                                           np.asarray(getattr(whole, field)), err_msg=field)
     assert int(ht.stats(whole)["size"]) == whole.capacity  # full: evictions happened
+
+
+@pytest.mark.parametrize("backend", ["kernel", "reference"])
+def test_tables_in_one_array_place_ids_as_separate_tables(platform, backend):
+    """Three indices in one array (ranges of 3, 5 and 2 buckets; a collection's dynamic
+    tables), the same raw ids in several of them: each range holds what a table of its own
+    holds, and the counts come per range."""
+    rng = np.random.default_rng(8)
+    size, n, sizes = 4, 30, (3, 5, 2)
+    ranges = tuple(ht.Range(sum(sizes[:t]), b, b) for t, b in enumerate(sizes))
+    both = ht.create(sum(sizes) * size, bucket_size=size)
+    alone = [ht.create(b * size, bucket_size=size) for b in sizes]
+    universe = rng.integers(-40, 40, 60).astype(np.int32)  # small: ids repeat across tables
+    for step in range(10):
+        ids = rng.choice(universe[: 20 + 4 * step], size=n).astype(np.int32)
+        table_of = rng.integers(0, 3, n).astype(np.int32)
+        valid = rng.random(n) > 0.1
+        slots, both, info = ht.find_or_insert(both, jnp.asarray(ids), step, policy="lfu", valid=jnp.asarray(valid),
+                                              table_of=jnp.asarray(table_of), ranges=ranges, backend=backend)
+        slots = np.asarray(slots)
+        for t, r in enumerate(ranges):
+            mine = valid & (table_of == t)
+            want, alone[t], want_info = ht.find_or_insert(alone[t], jnp.asarray(ids), step, policy="lfu",
+                                                          valid=jnp.asarray(mine), backend=backend)
+            want = np.asarray(want)
+            np.testing.assert_array_equal(slots[mine], np.where(want[mine] >= 0, want[mine] + r.first * size, -1))
+            for got, expected in zip(info[1:], want_info[1:]):
+                assert int(got[t]) == int(expected[0])
+            got_find = ht.find(both, jnp.asarray(ids), table_of=jnp.asarray(np.full(n, t, np.int32)), ranges=ranges,
+                               backend=backend)
+            want_find = np.asarray(ht.find(alone[t], jnp.asarray(ids), backend=backend))
+            np.testing.assert_array_equal(np.asarray(got_find),
+                                          np.where(want_find >= 0, want_find + r.first * size, -1))
+        for field in ht.HashTable._fields:
+            np.testing.assert_array_equal(np.concatenate([np.asarray(getattr(a, field)) for a in alone]),
+                                          np.asarray(getattr(both, field)), err_msg=field)
+    assert np.asarray(ht.find(both, jnp.asarray(ids), table_of=jnp.full(n, 3, jnp.int32), ranges=ranges,
+                              backend=backend)).max() == -1  # no such range: no id

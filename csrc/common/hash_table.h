@@ -48,16 +48,21 @@ JAXREC_HOST_DEVICE int64_t BucketOf(uint64_t h, int64_t num_buckets) {
   return BucketOf(static_cast<uint32_t>(h >> 32), num_buckets);
 }
 
-// The buckets a table holds: all `total` buckets, or (a shard of a table sharded by
-// bucket ranges) `local` consecutive ones; an id routed to the shard has its bucket in
-// the shard's range, so its place there is bucket % local.
-struct Buckets {
-  int64_t local;
-  int64_t total;
+// The bucket ranges of a table (jaxrec.ops.hash_table.Range), bounds s32[T, 3]: range t
+// is buckets [first, first + local) and holds a local-bucket part of a table of total
+// buckets; an id of range t has bucket first + BucketOf(h, total) % local (an id routed to
+// a part has its bucket in the part's range of the larger table).
+// A range index outside [0, count) is clamped (memory safety; the wrapper makes such ids
+// no ids).
+struct Ranges {
+  const int32_t* bounds;
+  int32_t count;
   template <typename H>
-  JAXREC_HOST_DEVICE int64_t Of(H h) const {
+  JAXREC_HOST_DEVICE int64_t Of(H h, int32_t t) const {
+    t = t < 0 ? 0 : (t >= count ? count - 1 : t);
+    const int32_t first = bounds[3 * t], local = bounds[3 * t + 1], total = bounds[3 * t + 2];
     const int64_t b = BucketOf(h, total);
-    return total == local ? b : b % local;
+    return first + (total == local ? b : b % local);
   }
 };
 
@@ -96,25 +101,29 @@ JAXREC_HOST_DEVICE int32_t NewScore(int32_t policy, int32_t old_score, bool foun
   return (found ? old_score : 0) + count;
 }
 
-// Shapes and dtypes of a table's operands (keys, digests, scores, seen) and of the ids.
-// total_buckets: a positive multiple of num_buckets below 2**31 (Buckets).
+// Shapes and dtypes of a table's operands (keys, digests, scores, seen), of the ids and
+// their ranges (table_of s32 like the ids) and of the bounds (s32[T, 3]; their values are
+// the Python wrapper's, checked there).
 inline ffi::Error CheckTable(std::string_view op, const ffi::AnyBuffer& keys, const ffi::AnyBuffer& digests,
                              const ffi::AnyBuffer* scores, const ffi::AnyBuffer* seen, const ffi::AnyBuffer& ids,
-                             int64_t total_buckets) {
+                             const ffi::AnyBuffer& table_of, const ffi::AnyBuffer& bounds) {
   const auto dims = keys.dimensions();
   if (dims.size() != 2 || dims[0] < 1 || dims[1] < 1 || dims[1] > kMaxBucketSize) {
     return Invalid(op, "keys must be [num_buckets >= 1, bucket_size] with bucket_size in [1, " +
                            std::to_string(kMaxBucketSize) + "], got " + ShapeString(dims));
-  }
-  if (total_buckets < dims[0] || total_buckets % dims[0] != 0 || total_buckets >= (int64_t{1} << 31)) {
-    return Invalid(op, "total_buckets must be a multiple of num_buckets = " + std::to_string(dims[0]) +
-                           " below 2**31, got " + std::to_string(total_buckets));
   }
   if (!IsIndexType(keys.element_type()) || ids.element_type() != keys.element_type()) {
     return Invalid(op, "keys and ids must be both int32 or both int64, got " + DtypeName(keys.element_type()) +
                            " and " + DtypeName(ids.element_type()));
   }
   if (ids.dimensions().size() != 1) return Invalid(op, "ids must be 1-D, got " + ShapeString(ids.dimensions()));
+  if (table_of.element_type() != ffi::DataType::S32 || table_of.element_count() != ids.element_count()) {
+    return Invalid(op, "table_of must be int32 like the ids, [" + std::to_string(ids.element_count()) + "]");
+  }
+  const auto bdims = bounds.dimensions();
+  if (bounds.element_type() != ffi::DataType::S32 || bdims.size() != 2 || bdims[0] < 1 || bdims[1] != 3) {
+    return Invalid(op, "bounds must be int32[T >= 1, 3], got " + ShapeString(bdims));
+  }
   const auto same_shape = [&](const ffi::AnyBuffer& b) {
     return b.dimensions().size() == 2 && b.dimensions()[0] == dims[0] && b.dimensions()[1] == dims[1];
   };

@@ -1,13 +1,14 @@
 // CPU handlers of the dynamic vocabulary's hash table (jaxrec.ops.hash_table; the shared
 // pieces and the layout: common/hash_table.h).
 //
-// jaxrec_hash_find: keys I[nb, S], digests u8[nb, S], ids I[N] -> slots s32[N] (-1: absent).
-//   Attribute total_buckets: nb, or the bucket count of the table that this one is a
-//   shard of (common/hash_table.h: Buckets).
+// jaxrec_hash_find: keys I[nb, S], digests u8[nb, S], ids I[N], table_of s32[N] (each
+//   id's bucket range), bounds s32[T, 3] (common/hash_table.h: Ranges) -> slots s32[N]
+//   (-1: absent).
 // jaxrec_hash_insert: keys, digests, scores s32, seen s32 (each aliased with its result),
 //   run_ids I[N] (the batch's distinct ids in hash order; an entry of count 0 is not an
-//   id), counts s32[N], step s32[] -> the four table results, run_slots s32[N], status
-//   s32[N] (hash_table::Status). Attributes policy (hash_table::Policy), total_buckets.
+//   id), run_tables s32[N] (their ranges), counts s32[N], step s32[], bounds -> the four
+//   table results, run_slots s32[N], status s32[N] (hash_table::Status). Attribute policy
+//   (hash_table::Policy).
 // The runs of one bucket are consecutive; each bucket is placed by one item of the thread
 // pool (its lookups, then its new ids in order), so the result does not depend on the
 // thread count.
@@ -30,12 +31,12 @@ using namespace hash_table;  // NOLINT(build/namespaces): this file's own vocabu
 constexpr int64_t kIdsPerItem = 1 << 14;
 
 template <typename I>
-void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, Buckets buckets, int size,
-          const I* ids, int64_t n, int32_t* slots) {
+void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, Ranges ranges, int size,
+          const I* ids, const int32_t* table_of, int64_t n, int32_t* slots) {
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {
     for (int64_t i = item * kIdsPerItem, end = std::min(n, (item + 1) * kIdsPerItem); i < end; ++i) {
       const auto h = Hash(ids[i]);
-      const int64_t first = buckets.Of(h) * size;
+      const int64_t first = ranges.Of(h, table_of[i]) * size;
       const int p = FindInBucket(keys + first, digests + first, size, DigestOf(h), ids[i]);
       slots[i] = p < 0 ? -1 : static_cast<int32_t>(first + p);
     }
@@ -43,7 +44,7 @@ void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, Buckets 
 }
 
 struct Table {
-  Buckets buckets;
+  Ranges ranges;
   int size;
   uint8_t* digests;
   int32_t* scores;
@@ -100,9 +101,9 @@ void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, cons
 }
 
 template <typename I>
-void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, const int32_t* counts, int64_t n,
-            int32_t step, int32_t policy, int32_t* run_slots, int32_t* status) {
-  auto bucket = [&](int64_t r) { return t.buckets.Of(Hash(run_ids[r])); };
+void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, const int32_t* run_tables,
+            const int32_t* counts, int64_t n, int32_t step, int32_t policy, int32_t* run_slots, int32_t* status) {
+  auto bucket = [&](int64_t r) { return t.ranges.Of(Hash(run_ids[r]), run_tables[r]); };
   // An item places the buckets whose first run lies in its share of the runs.
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {
     const int64_t stop = std::min(n, (item + 1) * kIdsPerItem);
@@ -125,29 +126,30 @@ void CopyUnlessAliased(const ffi::AnyBuffer& from, ffi::AnyBuffer& to) {
 }
 
 ffi::Error HashFindCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys, ffi::AnyBuffer digests, ffi::AnyBuffer ids,
-                       ffi::Result<ffi::Buffer<ffi::S32>> slots, int64_t total_buckets) {
-  if (ffi::Error e = CheckTable("jaxrec_hash_find", keys, digests, nullptr, nullptr, ids, total_buckets);
+                       ffi::AnyBuffer table_of, ffi::AnyBuffer bounds, ffi::Result<ffi::Buffer<ffi::S32>> slots) {
+  if (ffi::Error e = CheckTable("jaxrec_hash_find", keys, digests, nullptr, nullptr, ids, table_of, bounds);
       e.failure()) {
     return e;
   }
+  const Ranges ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])};
   const auto dims = keys.dimensions();
   return DispatchIndexType(keys.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
-    Find<I>(pool, keys.typed_data<I>(), digests.typed_data<uint8_t>(), Buckets{dims[0], total_buckets},
-            static_cast<int>(dims[1]),
-            ids.typed_data<I>(), ids.element_count(), slots->typed_data());
+    Find<I>(pool, keys.typed_data<I>(), digests.typed_data<uint8_t>(), ranges, static_cast<int>(dims[1]),
+            ids.typed_data<I>(), table_of.typed_data<int32_t>(), ids.element_count(), slots->typed_data());
     return ffi::Error::Success();
   });
 }
 
 ffi::Error HashInsertCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys_in, ffi::AnyBuffer digests_in,
                          ffi::AnyBuffer scores_in, ffi::AnyBuffer seen_in, ffi::AnyBuffer run_ids,
-                         ffi::AnyBuffer counts, ffi::AnyBuffer step, ffi::Result<ffi::AnyBuffer> keys,
+                         ffi::AnyBuffer run_tables, ffi::AnyBuffer counts, ffi::AnyBuffer step,
+                         ffi::AnyBuffer bounds, ffi::Result<ffi::AnyBuffer> keys,
                          ffi::Result<ffi::AnyBuffer> digests, ffi::Result<ffi::AnyBuffer> scores,
                          ffi::Result<ffi::AnyBuffer> seen, ffi::Result<ffi::Buffer<ffi::S32>> run_slots,
-                         ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy, int64_t total_buckets) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy) {
   constexpr std::string_view kOp = "jaxrec_hash_insert";
-  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids, total_buckets);
+  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids, run_tables, bounds);
       e.failure()) {
     return e;
   }
@@ -157,12 +159,14 @@ ffi::Error HashInsertCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys_in, ffi::AnyB
   CopyUnlessAliased(scores_in, *scores);
   CopyUnlessAliased(seen_in, *seen);
   const auto dims = keys_in.dimensions();
-  const Table t{Buckets{dims[0], total_buckets}, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
+  const Ranges ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])};
+  const Table t{ranges, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
                 scores->typed_data<int32_t>(),
                 seen->typed_data<int32_t>()};
   return DispatchIndexType(keys_in.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
-    Insert<I>(pool, t, keys->typed_data<I>(), run_ids.typed_data<I>(), counts.typed_data<int32_t>(),
+    Insert<I>(pool, t, keys->typed_data<I>(), run_ids.typed_data<I>(), run_tables.typed_data<int32_t>(),
+              counts.typed_data<int32_t>(),
               run_ids.element_count(), step.typed_data<int32_t>()[0], policy, run_slots->typed_data(),
               status->typed_data());
     return ffi::Error::Success();
@@ -179,8 +183,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashFindCpu, jaxrec::cpu::HashFindCpu,
                                   .Arg<xla::ffi::AnyBuffer>()              // keys
                                   .Arg<xla::ffi::AnyBuffer>()              // digests
                                   .Arg<xla::ffi::AnyBuffer>()              // ids
+                                  .Arg<xla::ffi::AnyBuffer>()              // table_of
+                                  .Arg<xla::ffi::AnyBuffer>()              // bounds
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // slots
-                                  .Attr<int64_t>("total_buckets"));
+);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCpu, jaxrec::cpu::HashInsertCpu,
                               xla::ffi::Ffi::Bind()
@@ -190,13 +196,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCpu, jaxrec::cpu::HashInsertCpu,
                                   .Arg<xla::ffi::AnyBuffer>()              // scores
                                   .Arg<xla::ffi::AnyBuffer>()              // seen
                                   .Arg<xla::ffi::AnyBuffer>()              // run_ids
+                                  .Arg<xla::ffi::AnyBuffer>()              // run_tables
                                   .Arg<xla::ffi::AnyBuffer>()              // counts
                                   .Arg<xla::ffi::AnyBuffer>()              // step
+                                  .Arg<xla::ffi::AnyBuffer>()              // bounds
                                   .Ret<xla::ffi::AnyBuffer>()              // keys (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()              // digests (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()              // scores (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()              // seen (aliased)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // run_slots
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-                                  .Attr<int32_t>("policy")
-                                  .Attr<int64_t>("total_buckets"));
+                                  .Attr<int32_t>("policy"));

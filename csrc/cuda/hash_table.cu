@@ -1,9 +1,10 @@
 // CUDA handlers of the dynamic vocabulary's hash table (jaxrec.ops.hash_table; operands
-// as in cpu/hash_table.cc, shared pieces in common/hash_table.h).
+// as in cpu/hash_table.cc, shared pieces in common/hash_table.h). The bounds (T x 3
+// int32) are in device memory, read by each thread.
 //
 // find: a thread per id reads its bucket's digests (16-byte loads where the bucket size
 //   allows) and compares keys only where a digest matches.
-// find_or_insert, on runs sorted by hash (so each bucket's runs are consecutive):
+// find_or_insert, on runs sorted by (range, hash) (so each bucket's runs are consecutive):
 //   1. a thread per run looks its id up; a found id refreshes its slot's score and seen.
 //   2. a warp per bucket (started at the bucket's first run) marks the slots its found
 //      runs hold, then gives its new runs, in order, the candidates of smallest rank
@@ -51,19 +52,20 @@ __device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, i
 }
 
 template <typename I>
-__global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict__ digests, Buckets buckets,
-                           int size, const I* __restrict__ ids, int64_t n, int32_t* __restrict__ slots) {
+__global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict__ digests, Ranges ranges,
+                           int size, const I* __restrict__ ids, const int32_t* __restrict__ table_of, int64_t n,
+                           int32_t* __restrict__ slots) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= n) return;
   const I id = ids[i];
   const auto h = Hash(id);
-  const int64_t first = buckets.Of(h) * size;
+  const int64_t first = ranges.Of(h, table_of[i]) * size;
   const int p = FindFast(keys + first, digests + first, size, DigestOf(h), id);
   slots[i] = p < 0 ? -1 : static_cast<int32_t>(first + p);
 }
 
 struct Table {
-  Buckets buckets;
+  Ranges ranges;
   int size;
   uint8_t* digests;
   int32_t* scores;
@@ -72,7 +74,7 @@ struct Table {
 
 template <typename I>
 __global__ void LookupRuns(Table t, const I* __restrict__ keys, const I* __restrict__ run_ids,
-                           const int32_t* __restrict__ counts, int64_t n, const int32_t* __restrict__ step,
+                           const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts, int64_t n, const int32_t* __restrict__ step,
                            int32_t policy, int32_t* __restrict__ run_slots, int32_t* __restrict__ status) {
   const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (r >= n) return;
@@ -83,7 +85,7 @@ __global__ void LookupRuns(Table t, const I* __restrict__ keys, const I* __restr
   }
   const I id = run_ids[r];
   const auto h = Hash(id);
-  const int64_t first = t.buckets.Of(h) * t.size;
+  const int64_t first = t.ranges.Of(h, run_tables[r]) * t.size;
   const int p = FindFast(keys + first, t.digests + first, t.size, DigestOf(h), id);
   if (p < 0) {
     status[r] = kFailed;  // until placed
@@ -106,7 +108,8 @@ __device__ __forceinline__ uint64_t WarpMin(uint64_t x) {
 
 template <typename I>
 __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
-    PlaceNewRuns(Table t, I* __restrict__ keys, const I* __restrict__ run_ids, const int32_t* __restrict__ counts,
+    PlaceNewRuns(Table t, I* __restrict__ keys, const I* __restrict__ run_ids,
+                 const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts,
                  int64_t n, const int32_t* __restrict__ step, int32_t policy, int32_t* __restrict__ run_slots,
                  int32_t* __restrict__ status) {
   __shared__ uint32_t hit_words[kWarpsPerBlock][kMaxBucketSize / kWarpSize];
@@ -114,15 +117,15 @@ __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
   const int warp = threadIdx.x / kWarpSize;
   const int64_t begin = blockIdx.x * int64_t{kWarpsPerBlock} + warp;
   if (begin >= n) return;
-  const int64_t bucket = t.buckets.Of(Hash(run_ids[begin]));
-  if (begin > 0 && t.buckets.Of(Hash(run_ids[begin - 1])) == bucket) return;  // not its first run
+  const int64_t bucket = t.ranges.Of(Hash(run_ids[begin]), run_tables[begin]);
+  if (begin > 0 && t.ranges.Of(Hash(run_ids[begin - 1]), run_tables[begin - 1]) == bucket) return;  // not its first run
 
   // The bucket's runs [begin, end), and whether any is new.
   int64_t end = begin;
   bool any_new = false;
   for (;; end += kWarpSize) {
     const int64_t r = end + lane;
-    const bool in = r < n && t.buckets.Of(Hash(run_ids[r])) == bucket;
+    const bool in = r < n && t.ranges.Of(Hash(run_ids[r]), run_tables[r]) == bucket;
     any_new |= in && status[r] == kFailed;
     const uint32_t inside = __ballot_sync(0xffffffffu, in);
     if (inside != 0xffffffffu) {
@@ -186,18 +189,17 @@ ffi::Error CudaError(cudaError_t err, const char* op) {
 unsigned Blocks(int64_t items, int64_t per_block) { return static_cast<unsigned>((items + per_block - 1) / per_block); }
 
 ffi::Error HashFindCuda(cudaStream_t stream, ffi::AnyBuffer keys, ffi::AnyBuffer digests, ffi::AnyBuffer ids,
-                        ffi::Result<ffi::Buffer<ffi::S32>> slots, int64_t total_buckets) {
+                        ffi::AnyBuffer table_of, ffi::AnyBuffer bounds, ffi::Result<ffi::Buffer<ffi::S32>> slots) {
   constexpr const char* kOp = "jaxrec_hash_find";
-  if (ffi::Error e = CheckTable(kOp, keys, digests, nullptr, nullptr, ids, total_buckets); e.failure()) return e;
+  if (ffi::Error e = CheckTable(kOp, keys, digests, nullptr, nullptr, ids, table_of, bounds); e.failure()) return e;
   const int64_t n = ids.element_count();
   if (n == 0) return ffi::Error::Success();
   const auto dims = keys.dimensions();
   return DispatchIndexType(keys.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
     FindKernel<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(keys.typed_data<I>(), digests.typed_data<uint8_t>(),
-                                                                 Buckets{dims[0], total_buckets},
-                                                                 static_cast<int>(dims[1]),
-                                                                 ids.typed_data<I>(), n, slots->typed_data());
+        Ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])},
+        static_cast<int>(dims[1]), ids.typed_data<I>(), table_of.typed_data<int32_t>(), n, slots->typed_data());
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, kOp);
   });
@@ -205,12 +207,13 @@ ffi::Error HashFindCuda(cudaStream_t stream, ffi::AnyBuffer keys, ffi::AnyBuffer
 
 ffi::Error HashInsertCuda(cudaStream_t stream, ffi::AnyBuffer keys_in, ffi::AnyBuffer digests_in,
                           ffi::AnyBuffer scores_in, ffi::AnyBuffer seen_in, ffi::AnyBuffer run_ids,
-                          ffi::AnyBuffer counts, ffi::AnyBuffer step, ffi::Result<ffi::AnyBuffer> keys,
+                          ffi::AnyBuffer run_tables, ffi::AnyBuffer counts, ffi::AnyBuffer step,
+                          ffi::AnyBuffer bounds, ffi::Result<ffi::AnyBuffer> keys,
                           ffi::Result<ffi::AnyBuffer> digests, ffi::Result<ffi::AnyBuffer> scores,
                           ffi::Result<ffi::AnyBuffer> seen, ffi::Result<ffi::Buffer<ffi::S32>> run_slots,
-                          ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy, int64_t total_buckets) {
+                          ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy) {
   constexpr const char* kOp = "jaxrec_hash_insert";
-  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids, total_buckets);
+  if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids, run_tables, bounds);
       e.failure()) {
     return e;
   }
@@ -226,18 +229,20 @@ ffi::Error HashInsertCuda(cudaStream_t stream, ffi::AnyBuffer keys_in, ffi::AnyB
   const int64_t n = run_ids.element_count();
   if (n == 0) return ffi::Error::Success();
   const auto dims = keys_in.dimensions();
-  const Table t{Buckets{dims[0], total_buckets}, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
+  const Ranges ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])};
+  const Table t{ranges, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
                 scores->typed_data<int32_t>(),
                 seen->typed_data<int32_t>()};
   return DispatchIndexType(keys_in.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
     const int32_t* step_ptr = step.typed_data<int32_t>();
+    const int32_t* tables = run_tables.typed_data<int32_t>();
     LookupRuns<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(t, keys->typed_data<I>(), run_ids.typed_data<I>(),
-                                                                 counts.typed_data<int32_t>(), n, step_ptr, policy,
-                                                                 run_slots->typed_data(), status->typed_data());
+                                                                 tables, counts.typed_data<int32_t>(), n, step_ptr,
+                                                                 policy, run_slots->typed_data(), status->typed_data());
     PlaceNewRuns<I><<<Blocks(n, kWarpsPerBlock), kWarpSize * kWarpsPerBlock, 0, stream>>>(
-        t, keys->typed_data<I>(), run_ids.typed_data<I>(), counts.typed_data<int32_t>(), n, step_ptr, policy,
-        run_slots->typed_data(), status->typed_data());
+        t, keys->typed_data<I>(), run_ids.typed_data<I>(), tables, counts.typed_data<int32_t>(), n, step_ptr,
+        policy, run_slots->typed_data(), status->typed_data());
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, kOp);
   });
@@ -252,8 +257,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashFindCuda, jaxrec::HashFindCuda,
                                   .Arg<xla::ffi::AnyBuffer>()              // keys
                                   .Arg<xla::ffi::AnyBuffer>()              // digests
                                   .Arg<xla::ffi::AnyBuffer>()              // ids
+                                  .Arg<xla::ffi::AnyBuffer>()              // table_of
+                                  .Arg<xla::ffi::AnyBuffer>()              // bounds
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // slots
-                                  .Attr<int64_t>("total_buckets"));
+);
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCuda, jaxrec::HashInsertCuda,
                               xla::ffi::Ffi::Bind()
@@ -263,13 +270,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCuda, jaxrec::HashInsertCuda,
                                   .Arg<xla::ffi::AnyBuffer>()              // scores
                                   .Arg<xla::ffi::AnyBuffer>()              // seen
                                   .Arg<xla::ffi::AnyBuffer>()              // run_ids
+                                  .Arg<xla::ffi::AnyBuffer>()              // run_tables
                                   .Arg<xla::ffi::AnyBuffer>()              // counts
                                   .Arg<xla::ffi::AnyBuffer>()              // step
+                                  .Arg<xla::ffi::AnyBuffer>()              // bounds
                                   .Ret<xla::ffi::AnyBuffer>()              // keys (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()              // digests (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()              // scores (aliased)
                                   .Ret<xla::ffi::AnyBuffer>()              // seen (aliased)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // run_slots
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-                                  .Attr<int32_t>("policy")
-                                  .Attr<int64_t>("total_buckets"));
+                                  .Attr<int32_t>("policy"));

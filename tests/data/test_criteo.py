@@ -69,9 +69,10 @@ def reference_parse(path):
 
 
 def expected_bag(hex_str, size, missing):
+    """The bag of one field: the value modulo ``size``, or the value itself (size None)."""
     if not hex_str:
         return [0] if missing == "zero" else []
-    return [int(hex_str, 16) % size]
+    return [int(hex_str, 16) if size is None else int(hex_str, 16) % size]
 
 
 def check_against_reference(batches, ref, batch_size, sizes, missing, last_batch, transform):
@@ -201,6 +202,54 @@ def test_error_line_numbers_count_blank_lines(tmp_path):
     (tmp_path / "b.tsv").write_text(text)
     with pytest.raises(DataFormatError, match=r"b.tsv, line 6, field C7: 'xyz' is not a hex"):
         list(CriteoReader(tmp_path / "b.tsv", batch_size=8, num_embeddings_per_feature=SIZES))
+
+
+# --- raw ids (ids="raw": jaxrec train --vocab dynamic) ------------------------------------
+
+
+@pytest.mark.parametrize("missing", ["zero", "empty"])
+def test_raw_ids_are_the_values_themselves(tmp_path, x64, missing):
+    rows = make_rows(23)
+    rows[2][14] = "7fffffffffffffff"  # the largest int64 id
+    rows[3][15] = "0123456789abcdef"  # 16 digits below 2**63
+    path = write_tsv(tmp_path / "t.tsv", rows)
+    reader = CriteoReader(path, batch_size=5, ids="raw", missing_category=missing, read_chunk_rows=7)
+    batches = list(reader)
+    ref = reference_parse(path)
+    check_against_reference(batches, ref, 5, [None] * 26, missing, "pad", LOG1P)
+    values = np.concatenate([np.asarray(b.sparse.values()) for b in batches])
+    assert values.dtype == np.int64 and values.max() == 2**63 - 1
+    assert (values >= 2**31).sum() > 20  # 8-digit values beyond int32 keep their value
+    # every batch, the padding one too, has one pytree structure and dtype: one compile
+    shapes = {jax.tree.structure(b) for b in [*batches, reader.empty_batch()]}
+    dtypes = {tuple(x.dtype for x in jax.tree.leaves(b)) for b in [*batches, reader.empty_batch()]}
+    assert len(shapes) == len(dtypes) == 1
+    # the modulo reader keeps its int32 ids with 64-bit types on
+    (modulo, *_) = CriteoReader(path, batch_size=5, num_embeddings_per_feature=SIZES)
+    assert modulo.sparse.values().dtype == np.int32
+
+
+def test_raw_ids_refuse_values_beyond_int64(tmp_path, x64):
+    rows = make_rows(3)
+    rows[1][16] = "8000000000000000"
+    path = write_tsv(tmp_path / "bad.tsv", rows)
+    with pytest.raises(DataFormatError, match=r"line 2, field C3: '8000000000000000' is 2\*\*63 or more, "
+                                              r"beyond the int64 ids of ids='raw'.*fix or remove this line"):
+        list(CriteoReader(path, batch_size=2, ids="raw"))
+    # hashed, it is an ordinary value
+    assert len(list(CriteoReader(path, batch_size=2, num_embeddings_per_feature=SIZES))) == 2
+
+
+def test_raw_id_arguments(tmp_path):
+    path = write_tsv(tmp_path / "t.tsv", make_rows(2))
+    with pytest.raises(ValueError, match=r"ids='raw' gives int64 ids .* jax.config.update\('jax_enable_x64', True\)"):
+        CriteoReader(path, batch_size=2, ids="raw")
+    with pytest.raises(ValueError, match=r"num_embeddings_per_feature=5 would do nothing: drop it"):
+        CriteoReader(path, batch_size=2, ids="raw", num_embeddings_per_feature=5)
+    with pytest.raises(ValueError, match=r"num_embeddings_per_feature is needed with ids='modulo'"):
+        CriteoReader(path, batch_size=2)
+    with pytest.raises(ValueError, match=r"ids must be 'modulo' .* or 'raw' .*, got 'hashed'"):
+        CriteoReader(path, batch_size=2, ids="hashed", num_embeddings_per_feature=5)
 
 
 @pytest.mark.parametrize("bad", ["xyz", "12g4", "0x1f", " 1f", "1_f", "-1"])

@@ -9,15 +9,13 @@ index."""
 
 from __future__ import annotations
 
-import zlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
-from hash_table_testing import DictModel
+from hash_table_testing import DictModel, fresh_row
 
 import jaxrec.parallel as par
 from jaxrec.nn import DynamicVocab, EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, make_train_step
@@ -76,13 +74,11 @@ def test_training_equals_an_ordinary_table_on_the_dict_models_slots():
         slots, fresh, (_, out, _) = model.find_or_insert(users, np.ones(users.size, bool), step)
         evicted += out
         # the ordinary table: the new ids' rows drawn as the dynamic table draws them, state zeroed
-        key = jax.random.fold_in(jax.random.key(zlib.crc32(b"t_user")), step)
         weights = np.asarray(plain.ebc.split_embedding_weights()["t_user"]).copy()
         states = {k: np.asarray(v).copy() for k, v in plain.ebc.split_optimizer_states()["t_user"].items()}
         for u in set(users.tolist()):
-            if model.slot_of.get(u, -1) in fresh:  # a new id's row: drawn from its own key
-                weights[model.slot_of[u]] = np.asarray(
-                    config.init(jax.random.fold_in(key, np.uint32(u % 2**32)), rows=1))[0]
+            if model.slot_of.get(u, -1) in fresh:  # a new id's row: drawn for that id
+                weights[model.slot_of[u]] = fresh_row("t_user", step, u, 32, 4, *config.init_bounds())
                 for v in states.values():
                     v[model.slot_of[u]] = 0
         plain.ebc.set_embedding_weights({"t_user": weights})
@@ -176,3 +172,79 @@ def test_bad_dynamic_tables_are_refused_with_the_fix():
         par.shard(ebc, plan, mesh)
     with pytest.raises(NotImplementedError, match="serving does not support yet"):
         quantize(Model(ebc))
+
+
+@pytest.mark.parametrize("init_fn", [None, "normal"])
+def test_a_new_rows_draw_depends_on_the_table_step_and_id_only(init_fn):
+    """The same id gets the same row wherever it sits in the batch (so a sharded table draws
+    what the whole table draws), another id or step another row; default rows lie in the
+    table's bounds and look uniform."""
+    from jaxrec.nn._dynamic import fresh_rows
+
+    fn = None if init_fn is None else (lambda key, shape, dtype: jax.random.normal(key, shape, dtype))
+    config = EmbeddingBagConfig(name="t", num_embeddings=128, embedding_dim=64, feature_names=["f"],
+                                dynamic=DynamicVocab(), init_fn=fn)
+    ids = jnp.asarray(np.random.default_rng(7).integers(-2**31, 2**31, 500), jnp.int32)
+    first = jnp.zeros(ids.shape, jnp.int32)
+    rows = np.asarray(fresh_rows([config], first, 3, ids))
+    np.testing.assert_array_equal(np.asarray(fresh_rows([config], first, 3, ids[::-1])), rows[::-1])
+    assert not np.allclose(np.asarray(fresh_rows([config], first, 4, ids)), rows)
+    assert len({r.tobytes() for r in rows}) == np.unique(np.asarray(ids)).size
+    if init_fn is None:
+        low, high = config.init_bounds()
+        assert rows.min() >= low and rows.max() < high
+        assert abs(rows.mean()) < 0.02 * high and abs(rows.std() - high / np.sqrt(3)) < 0.02 * high
+
+
+def test_dynamic_tables_of_one_group_train_as_tables_of_their_own():
+    """Two dynamic tables of one group (one index of two bucket ranges, one lookup; the
+    same raw ids in both) train as the same two tables in collections of their own:
+    losses, rows, optimizer state, statistics and each table's portable index."""
+    def config(name, feature, slots):
+        return EmbeddingBagConfig(name=name, num_embeddings=slots, embedding_dim=4, feature_names=[feature],
+                                  dynamic=DynamicVocab(eviction="lfu", bucket_size=BUCKET))
+
+    a, b = config("t_a", "user", SLOTS), config("t_b", "item", 2 * SLOTS)
+    grouped = EmbeddingBagCollection([a, b], optimizer=RowWiseAdagrad(learning_rate=0.3), rngs=nnx.Rngs(0))
+    assert len(grouped.groups) == 1
+    alone = [EmbeddingBagCollection([c], optimizer=RowWiseAdagrad(learning_rate=0.3), rngs=nnx.Rngs(1),
+                                    name=f"ebc_{c.name}") for c in (a, b)]
+    for ebc, name in zip(alone, ("t_a", "t_b")):
+        ebc.set_embedding_weights({name: grouped.split_embedding_weights()[name]})
+
+    class Pair(nnx.Module):
+        def __init__(self, ebcs):
+            self.ebcs = nnx.List(ebcs)
+
+        def __call__(self, features):
+            return jnp.sum(jnp.tanh(jnp.concatenate([e(features).values() for e in self.ebcs], axis=1)), axis=1)
+
+    models = [Model(grouped), Pair(alone)]
+    opts = [nnx.Optimizer(m, optax.sgd(0.0), wrt=nnx.Param) for m in models]
+    steps = [make_train_step(loss_fn), make_train_step(loss_fn)]
+    rng = np.random.default_rng(4)
+    for step in range(10):
+        lengths = rng.integers(1, 4, size=2 * B)
+        ids = rng.choice(np.arange(-30, 30) * 7919, size=lengths.sum()).astype(np.int32)  # shared raw ids
+        features = KeyedJaggedTensor(["user", "item"], ids, lengths=lengths, capacity=64)
+        target = jnp.asarray(rng.normal(size=B), jnp.float32)
+        losses = [float(s(m, o, features, target)) for s, m, o in zip(steps, models, opts)]
+        np.testing.assert_allclose(losses[0], losses[1], rtol=1e-6, err_msg=f"step {step}")
+    for ebc, name in zip(alone, ("t_a", "t_b")):
+        np.testing.assert_allclose(grouped.split_embedding_weights()[name], ebc.split_embedding_weights()[name],
+                                   rtol=1e-5, atol=1e-6)
+        for k, v in ebc.split_optimizer_states()[name].items():
+            np.testing.assert_allclose(grouped.split_optimizer_states()[name][k], v, rtol=1e-5, atol=1e-6)
+        for k, v in ebc.dynamic_statistics()[name].items():
+            assert float(grouped.dynamic_statistics()[name][k]) == float(v), (name, k)
+        want = ebc.portable_tables()[name]["index"]
+        for k, v in grouped.portable_tables()[name]["index"].items():
+            np.testing.assert_array_equal(v, want[k], err_msg=f"{name} {k}")
+        np.testing.assert_array_equal(grouped.dynamic_changes(name, 5)["ids"], ebc.dynamic_changes(name, 5)["ids"])
+        np.testing.assert_allclose(grouped.dynamic_changes(name, 5)["rows"], ebc.dynamic_changes(name, 5)["rows"],
+                                   rtol=1e-5, atol=1e-6)
+    assert int(grouped.dynamic_statistics()["t_a"]["evicted"]) > 0
+    restored = EmbeddingBagCollection([a, b], optimizer=RowWiseAdagrad(learning_rate=0.3), rngs=nnx.Rngs(5))
+    restored.load_portable_tables(grouped.portable_tables())
+    for x, y in zip(jax.tree.leaves(nnx.state(restored.indices)), jax.tree.leaves(nnx.state(grouped.indices))):
+        np.testing.assert_array_equal(x, y)

@@ -195,6 +195,7 @@ def make_batch(
     num_valid: int,
     capacity: int,
     inverse_indices: np.ndarray | None = None,
+    id_dtype: type = np.int32,
 ) -> Batch:
     """A ``Batch`` from host arrays.
 
@@ -203,11 +204,14 @@ def make_batch(
     ``num_valid`` rows are real. ``capacity`` is the static size of the KJT's values.
     ``inverse_indices`` int [num_keys, B]: row b of the batch uses bag ``[k, b]`` of key k
     (a variable-batch KJT, every key with B bags); None: row b uses bag b.
+    ``id_dtype``: the KJT's ids, int32 (ids are row numbers), or int64 for raw ids (every
+    batch of a stream alike, so that a jitted step compiles once; needs
+    ``jax_enable_x64``, else the KJT refuses ids beyond int32).
     """
     batch_size = labels.shape[0]
     mask = np.zeros((batch_size,), np.float32)
     mask[:num_valid] = 1.0
-    values = np.asarray(values, np.int32)
+    values = np.asarray(values, id_dtype)
     lengths = np.asarray(lengths, np.int32).reshape(-1)
     if inverse_indices is None:
         sparse = KeyedJaggedTensor.from_lengths_sync(
@@ -234,6 +238,7 @@ def batch_from_ids(
     labels: np.ndarray,
     num_valid: int,
     dedup_keys: Sequence[str] = (),
+    id_dtype: type = np.int32,
 ) -> Batch:
     """A ``Batch`` from ``ids`` int [B, C], one column per entry of ``keys``, -1 = no id.
 
@@ -248,7 +253,7 @@ def batch_from_ids(
     bag per distinct id, then empty bags up to B (every key keeps B bags, so that every
     batch has one static shape), and the KJT's ``inverse_indices`` map each row to its
     bag; a row without an id (padding rows too) maps to an empty bag, which exists since
-    then fewer than B rows have ids.
+    then fewer than B rows have ids. ``id_dtype``: as ``make_batch``'s.
     """
     batch_size, num_columns = ids.shape
     names = list(dict.fromkeys(keys))
@@ -277,7 +282,7 @@ def batch_from_ids(
     values = np.concatenate([ids[:, cols][present[:, cols]] for cols in columns])  # key-major
     return make_batch(
         names, values, lengths, dense, labels, num_valid,
-        capacity=batch_size * num_columns, inverse_indices=inverse,
+        capacity=batch_size * num_columns, inverse_indices=inverse, id_dtype=id_dtype,
     )
 
 

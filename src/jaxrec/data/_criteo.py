@@ -16,8 +16,17 @@ Decisions, as in the reference DLRM / TorchRec preprocessing:
   NaN or infinity is an error naming the line, never a silent NaN in the model.
 * **Integers beyond int64** (such as ``99999999999999999999999``) are an error naming the
   line and field: no count is that large, so the line is damaged.
-* **Hashing**: ``id = int(hex, 16) % num_embeddings_per_feature[j]`` (unsigned; up to 16
-  hex digits).
+* **Hashing** (``ids="modulo"``, the default): ``id = int(hex, 16) %
+  num_embeddings_per_feature[j]`` (unsigned; up to 16 hex digits).
+* **Raw ids** (``ids="raw"``, for dynamic-vocabulary tables: ``jaxrec train --vocab
+  dynamic``): ``id = int(hex, 16)``, no modulo, as int64. Criteo's values are 8 hex digits
+  (32 bits), and the KJT's ids are int32 unless ``jax_enable_x64`` is on: an exact int32
+  form would bit-cast the values of 2**31 and more to negative ids, which readers use as
+  "no id", so the ids are int64 and the reader needs ``jax_enable_x64`` (an error at
+  construction says so). Every value of up to 15 hex digits is its own id; a 16-digit
+  value of 2**63 or more has no int64 id of its own and is an error naming the line and
+  field, never folded onto another value's id. A missing category is id 0 (or an empty
+  bag), as with hashing.
 * **Missing category**: ``missing_category="zero"`` (default) hashes the empty string as 0,
   so the bag holds id 0, exactly as TorchRec's ``int(x or "0", 16)`` (row 0 is shared with
   the hashes that are multiples of the table size). ``"empty"`` gives a bag of length 0
@@ -47,6 +56,7 @@ import zlib
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import jax
 import numpy as np
 
 from jaxrec.data._batch import (
@@ -170,13 +180,16 @@ class CriteoReader:
       paths: one file or a list of files (plain text or ``.gz``), read in order.
       batch_size: rows per batch (B).
       num_embeddings_per_feature: table size of C1..C26 (26 ints, or one int for all):
-        ``id = int(hex, 16) % size``.
+        ``id = int(hex, 16) % size``. Required with ``ids="modulo"``; not given with
+        ``ids="raw"``.
       dense_transform: ``int64[n, 13] -> float[n, 13]`` applied after missing -> 0;
         default ``dense_log1p``; ``None`` keeps the raw integers (as float32).
       missing_category: ``"zero"`` (an empty C-field is id 0) or ``"empty"`` (a bag of
         length 0).
       last_batch: ``"pad"`` (pad with mask 0) or ``"drop"`` a partial last batch.
       read_chunk_rows: lines read and parsed at a time.
+      ids: ``"modulo"`` (hashed modulo the table sizes, int32 ids) or ``"raw"`` (each
+        value its own int64 id; needs ``jax_enable_x64``): module doc.
       shard: ``(k, n)``: read only part ``k`` of ``n`` (one of ``n`` processes,
         docs/multiprocess.md): of each plain file, the lines that begin in its ``k``-th
         ``n``-th of bytes; of ``.gz`` files (no seeking), files ``k, k + n, ...`` (at least
@@ -195,12 +208,13 @@ class CriteoReader:
         paths: str | os.PathLike | Sequence[str | os.PathLike],
         *,
         batch_size: int,
-        num_embeddings_per_feature: int | Sequence[int],
+        num_embeddings_per_feature: int | Sequence[int] | None = None,
         dense_transform: Callable[[np.ndarray], np.ndarray] | None = dense_log1p,
         missing_category: str = "zero",
         last_batch: str = "pad",
         read_chunk_rows: int = 16384,
         shard: tuple[int, int] = (0, 1),
+        ids: str = "modulo",
     ):
         self.paths = _check_paths(paths)
         self.shard = check_shard(shard)
@@ -212,9 +226,11 @@ class CriteoReader:
                 "least one file per process, or the files unpacked (plain files split by bytes)."
             )
         self.batch_size = check_batch_size(batch_size)
-        self.table_sizes = check_table_sizes(
+        self.ids = _check_ids(ids, num_embeddings_per_feature)
+        self.table_sizes = None if ids == "raw" else check_table_sizes(
             num_embeddings_per_feature, CRITEO_NUM_SPARSE, "num_embeddings_per_feature"
         )
+        self._id_dtype = np.int64 if ids == "raw" else np.int32
         if dense_transform is not None and not callable(dense_transform):
             raise TypeError(
                 f"dense_transform must be a callable or None, got {dense_transform!r}."
@@ -243,7 +259,8 @@ class CriteoReader:
             batches = rebatch(counted(), self.batch_size, self.last_batch)
             for (labels, dense, ids), num_valid in batches:
                 any_batch = True
-                yield batch_from_ids(self.keys, ids, dense, labels, num_valid)
+                yield batch_from_ids(self.keys, ids, dense, labels, num_valid,
+                                     id_dtype=self._id_dtype)
         finally:
             chunks.close()
         if not any_batch:  # only "drop" gets here: every file has rows
@@ -255,9 +272,9 @@ class CriteoReader:
 
     def iter_rows(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
         """Chunks of parsed rows on the host, before batching: ``(labels float32[n],
-        dense float32[n, 13], ids int64[n, 26])``, ids already hashed (-1 = empty bag).
-        A file with no rows is a ``DataFormatError`` (with ``shard``: a share with none)."""
-        table_sizes = np.asarray(self.table_sizes, np.uint64)
+        dense float32[n, 13], ids int64[n, 26])``, ids already hashed, or raw (-1 = empty
+        bag). A file with no rows is a ``DataFormatError`` (with ``shard``: a share with none)."""
+        table_sizes = None if self.table_sizes is None else np.asarray(self.table_sizes, np.uint64)
         k, n = self.shard
         rows_in_share = 0
         for path, start, end in self._share():
@@ -287,7 +304,8 @@ class CriteoReader:
         """A batch of padding rows only (mask 0, empty bags), shaped as the reader's."""
         b = self.batch_size
         return batch_from_ids(self.keys, np.full((b, CRITEO_NUM_SPARSE), -1, np.int64),
-                              np.zeros((b, CRITEO_NUM_DENSE), np.float32), np.zeros(b, np.float32), 0)
+                              np.zeros((b, CRITEO_NUM_DENSE), np.float32), np.zeros(b, np.float32), 0,
+                              id_dtype=self._id_dtype)
 
     def count_lines(self) -> int:
         """Lines of this reader's share (of every file with ``shard=(0, 1)``), blank ones
@@ -307,7 +325,7 @@ class CriteoReader:
             return [(path, 0, None) for path in self.paths[k::n]]
         return [(path, *_byte_share(path, k, n)) for path in self.paths]
 
-    def _parse(self, lines: list[bytes], table_sizes: np.ndarray, path: Path, first_line: int,
+    def _parse(self, lines: list[bytes], table_sizes: np.ndarray | None, path: Path, first_line: int,
                start: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         missing = -1 if self.missing_category == "empty" else 0
         try:
@@ -350,6 +368,27 @@ class CriteoReader:
         return out
 
 
+def _check_ids(ids: object, num_embeddings_per_feature) -> str:
+    """``ids``, once it is known to be one of the two kinds and to fit the table sizes given."""
+    if ids not in ("modulo", "raw"):
+        raise ValueError(f"ids must be 'modulo' (int(hex, 16) % table size) or 'raw' (int(hex, 16), "
+                         f"an int64 id), got {ids!r}.")
+    if ids == "modulo" and num_embeddings_per_feature is None:
+        raise ValueError("num_embeddings_per_feature is needed with ids='modulo' (the table sizes "
+                         "the values are hashed modulo): pass 26 sizes or one for all, or ids='raw' "
+                         "for the values themselves.")
+    if ids == "raw" and num_embeddings_per_feature is not None:
+        raise ValueError(f"ids='raw' gives each value its own id, without a modulo, so "
+                         f"num_embeddings_per_feature={num_embeddings_per_feature!r} would do "
+                         "nothing: drop it, or pass ids='modulo'.")
+    if ids == "raw" and not jax.config.jax_enable_x64:
+        raise ValueError("ids='raw' gives int64 ids (Criteo's values reach 2**32 - 1), which JAX "
+                         "holds only with 64-bit types on: call jax.config.update('jax_enable_x64', "
+                         "True) before creating the reader and the model (jaxrec train --vocab "
+                         "dynamic does).")
+    return str(ids)
+
+
 def _names(paths: Sequence[Path]) -> str:
     return str(paths[0]) if len(paths) == 1 else f"the {len(paths)} files {paths[0]}, ..."
 
@@ -361,14 +400,15 @@ def _row_lines(lines: list[bytes], first_line: int) -> list[int]:
 
 def parse_lines(
     lines: list[bytes],
-    table_sizes: np.ndarray,
+    table_sizes: np.ndarray | None,
     *,
     path: Path,
     first_line: int,
     missing: int = 0,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Parses raw lines (bytes, with or without newline) into ``(labels float32[n],
-    dense int64[n, 13] (missing -> 0), ids int64[n, 26] (missing -> ``missing``))``."""
+    dense int64[n, 13] (missing -> 0), ids int64[n, 26] (missing -> ``missing``))``;
+    ``table_sizes`` None: raw ids, ``int(hex, 16)``."""
     stripped = [line.rstrip(b"\r\n") for line in lines]
     rows = [line for line in stripped if line]  # blank lines are skipped
 
@@ -444,8 +484,9 @@ def _int64_problem(field: bytes) -> str | None:
     return None
 
 
-def _hash_hex(cats: np.ndarray, table_sizes: np.ndarray, missing: int, fail) -> np.ndarray:
-    """``int(hex, 16) % size`` for an ``S``-array [n, 26] of hex strings, vectorized."""
+def _hash_hex(cats: np.ndarray, table_sizes: np.ndarray | None, missing: int, fail) -> np.ndarray:
+    """``int(hex, 16) % size`` for an ``S``-array [n, 26] of hex strings, vectorized;
+    ``table_sizes`` None: ``int(hex, 16)`` itself (raw ids, which must fit int64)."""
     n, f = cats.shape
     if cats.dtype.itemsize > _MAX_HEX_DIGITS:  # wide for a long dense field, or a long hash
         too_long = np.char.str_len(cats) > _MAX_HEX_DIGITS
@@ -466,7 +507,16 @@ def _hash_hex(cats: np.ndarray, table_sizes: np.ndarray, missing: int, fail) -> 
         nib = nibbles[..., j]
         digit = nib >= 0
         acc = np.where(digit, acc * np.uint64(16) + nib.astype(np.uint64), acc)
-    ids = (acc % table_sizes).astype(np.int64)
+    if table_sizes is None:
+        # A value beyond int64 has no id of its own: folding it would merge it with another.
+        too_large = acc > np.uint64(_INT64.max)
+        if too_large.any():
+            fail(too_large, "is 2**63 or more, beyond the int64 ids of ids='raw' (--vocab "
+                            "dynamic), and folding it would give it another value's id "
+                            "(Criteo's values have 8 hex digits)")
+        ids = acc.astype(np.int64)
+    else:
+        ids = (acc % table_sizes).astype(np.int64)
     if missing != 0:
         ids[nibbles[..., 0] == -2] = missing
     return ids

@@ -78,10 +78,16 @@ class EmbeddingConfig:
                 raise ValueError(f"table {self.name!r}: init_fn returned shape {table.shape}, "
                                  f"expected {shape}")
             return table.astype(jnp.float32)
+        low, high = self.init_bounds()
+        return jax.random.uniform(key, shape, jnp.float32, low, high)
+
+    def init_bounds(self) -> tuple[float, float]:
+        """``(low, high)`` of the default uniform init: ``weight_init_min`` /
+        ``weight_init_max``, else TorchRec's ``-+sqrt(1 / num_embeddings)``."""
         bound = math.sqrt(1.0 / self.num_embeddings)
         low = -bound if self.weight_init_min is None else self.weight_init_min
         high = bound if self.weight_init_max is None else self.weight_init_max
-        return jax.random.uniform(key, shape, jnp.float32, low, high)
+        return low, high
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -201,7 +207,8 @@ class TableGroup:
 def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None = None
                  ) -> tuple[TableGroup, ...]:
     """Checks ``tables`` and groups them by (pooling, dtype), in order of first appearance;
-    each TT or dynamic table is a group of its own.
+    each TT table is a group of its own, dynamic tables are grouped apart from the others
+    by ``dynamic_group_key`` too.
 
     ``pooling`` overrides the tables' own (``PoolingMode.NONE`` for sequence embeddings).
     """
@@ -214,8 +221,12 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
     order: dict[tuple, list[EmbeddingConfig]] = {}
     for t in tables:
         p = pooling if pooling is not None else t.pooling
-        alone = getattr(t, "tt", None) is not None or getattr(t, "dynamic", None) is not None
-        key = ("alone", t.name) if alone else (p, t.dtype)  # TT and dynamic tables: a group each
+        if getattr(t, "tt", None) is not None:  # TT tables: a group each
+            key = ("tt", t.name)
+        elif getattr(t, "dynamic", None) is not None:  # one index per group (nn/_dynamic.py)
+            key = ("dynamic", p, t.dtype, *dynamic_group_key(t))
+        else:
+            key = (p, t.dtype)
         order.setdefault(key, []).append(t)
     groups = []
     for members in order.values():
@@ -228,6 +239,14 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
                                                      for _ in t.feature_names))
         groups.append(TableGroup(tuple(members), p, dtype, layout, features))
     return tuple(groups)
+
+
+def dynamic_group_key(config) -> tuple:
+    """What dynamic tables must share to be one group (one index, one lookup,
+    nn/_dynamic.py): the index's bucket size and policy, and the row width (a new id's row
+    is reset at ``row * width``); a table with its own ``init_fn`` draws its rows alone."""
+    return (config.dynamic.bucket_size, config.dynamic.eviction, config.embedding_dim,
+            config.name if config.init_fn is not None else None)
 
 
 def _check_unique(names: list[str], what: str) -> None:

@@ -1,8 +1,10 @@
 """Dynamic-vocabulary tables in a collection (``EmbeddingBagConfig(dynamic=DynamicVocab())``).
 
-Each such table is a group of its own: a fused table of ``num_embeddings`` rows (the slots)
-and a ``DynamicIndex`` variable holding its hash index (``jaxrec.ops.hash_table``) and
-counters. A lookup maps the raw ids to slots first:
+The dynamic tables of a collection that share a ``_configs.dynamic_group_key`` are one group: fused tables
+of ``num_embeddings`` rows (the slots) each, and one ``DynamicIndex`` variable holding
+their hash index (``jaxrec.ops.hash_table``: one bucket range per table, ``ranges``) and
+counters, so the whole group's ids are mapped by one call and looked up by one. A lookup
+maps the raw ids to slots first:
 
 * training (the collection's ``deterministic`` False, flax's ``model.train()``):
   ``find_or_insert``; the slots given a new id get a freshly drawn row and zeroed
@@ -20,8 +22,8 @@ a key of the table's name, the fused step and the id alone (``fresh_rows``): a r
 draws the same, and so does a table sharded over devices (``jaxrec.parallel``), whose
 devices see other batches of ids.
 
-``shards``: the index is one of ``shards`` bucket ranges of the table (a device's part of a
-sharded table, ``hash_table.shard_of``), ``valid`` marking the ids of its range.
+``shards``: the index holds one of ``shards`` bucket ranges of each table (a device's part
+of a sharded table, ``hash_table.shard_of``), ``valid`` marking the ids of its ranges.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from jaxrec.ops import hash_table
 
 
 class IndexState(NamedTuple):
-    """A dynamic table's hash index and its counters since it was created."""
+    """The hash index of a group's dynamic tables (one bucket range per table, ``ranges``)
+    and its counters since it was created, ``int32[tables]`` (a table's part: scalars)."""
 
     table: hash_table.HashTable
     inserted: jax.Array
@@ -52,54 +55,115 @@ class IndexState(NamedTuple):
 
 
 class DynamicIndex(nnx.Variable):
-    """The ``IndexState`` of a dynamic table: state, not trained; checkpointed with the model."""
+    """The ``IndexState`` of a group's dynamic tables: state, not trained; checkpointed
+    with the model."""
 
 
-def new_index(config) -> IndexState:
+def ranges(configs, shards: int = 1) -> tuple[hash_table.Range, ...]:
+    """Each table's bucket range in the group's index: its buckets one after the other (a
+    device's part of a sharded table: ``1 / shards`` of them, ``hash_table.shard_of``)."""
+    out, first = [], 0
+    for c in configs:
+        buckets = c.num_embeddings // c.dynamic.bucket_size
+        out.append(hash_table.Range(first, buckets // shards, buckets))
+        first += buckets // shards
+    return tuple(out)
+
+
+def new_index(configs) -> IndexState:
     dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
-    zero = jnp.zeros((), jnp.int32)
-    table = hash_table.create(config.num_embeddings, bucket_size=config.dynamic.bucket_size, dtype=dtype)
-    return IndexState(table, zero, zero, zero, zero)
+    capacity = sum(c.num_embeddings for c in configs)
+    table = hash_table.create(capacity, bucket_size=configs[0].dynamic.bucket_size, dtype=dtype)
+    return IndexState(table, *(jnp.zeros((len(configs),), jnp.int32) for _ in IndexState._fields[1:]))
 
 
-def slots_for_training(index: DynamicIndex, tables: FusedEmbeddingTables, config, ids, valid, *,
-                       shards: int = 1):
-    """``(slots, tables)``: the ids' slots (inserting new ids) and the tables with the new
-    ids' rows drawn anew; the index is updated."""
+def table_index(state: IndexState, configs, t: int) -> IndexState:
+    """Table ``t``'s own index (its bucket range, its counters) in a group's index."""
+    r = ranges(configs)[t]
+    part = hash_table.HashTable(*(x[r.first:r.first + r.local] for x in state.table))
+    return IndexState(part, *(getattr(state, f)[t] for f in IndexState._fields[1:]))
+
+
+def group_index(parts: list[IndexState]) -> IndexState:
+    """The group's index of its tables' own indices (``table_index``'s inverse)."""
+    table = hash_table.HashTable(*(jnp.concatenate(xs) for xs in zip(*(p.table for p in parts))))
+    return IndexState(table, *(jnp.stack([jnp.asarray(getattr(p, f)).reshape(()) for p in parts])
+                               for f in IndexState._fields[1:]))
+
+
+def slots_for_training(index: DynamicIndex, tables: FusedEmbeddingTables, configs, ids, valid,
+                       table_of=None, *, shards: int = 1):
+    """``(slots, tables)``: the ids' slots, as rows of the group (inserting new ids), and
+    the tables with the new ids' rows drawn anew; the index is updated. ``table_of``: each
+    id's table in ``configs`` (default: the first)."""
     state = index.get_value()
+    bounds = ranges(configs, shards)
     slots, table, info = hash_table.find_or_insert(
-        state.table, _ids(ids, state), tables.step, policy=config.dynamic.eviction, valid=valid,
-        shards=shards)
+        state.table, _ids(ids, state), tables.step, policy=configs[0].dynamic.eviction, valid=valid,
+        table_of=table_of, ranges=bounds)
     index.set_value(IndexState(table, state.inserted + info.inserted, state.evicted + info.evicted,
                                state.failed + info.failed, state.unknown))
-    # the id now held by each fresh slot (entries past the fresh ones: out of range, not reset)
-    new_ids = table.keys.reshape(-1)[jnp.minimum(info.fresh_slots, table.capacity - 1)]
-    return slots, reset_rows(tables, info.fresh_slots, fresh_rows(config, tables.step, new_ids))
+    # the id now held by each fresh slot, and its table (entries past the fresh ones: out
+    # of range, not reset)
+    fresh = info.fresh_slots
+    new_ids = table.keys.reshape(-1)[jnp.minimum(fresh, table.capacity - 1)]
+    firsts = jnp.asarray([r.first for r in bounds], jnp.int32) * table.keys.shape[1]
+    fresh_table = jnp.clip(jnp.searchsorted(firsts, fresh, side="right") - 1, 0, len(configs) - 1)
+    return slots, reset_rows(tables, fresh, fresh_rows(configs, fresh_table, tables.step, new_ids))
 
 
-def fresh_rows(config, step, ids: jax.Array) -> jax.Array:
-    """``float32[N, dim]``: the new rows of ``ids`` at fused step ``step``, each drawn like
-    the table's initial rows from ``fold_in(fold_in(key(crc32(name)), step), id)`` (an int64
-    id folded in as its two 32-bit words, low first): a row depends on the id, not on the
-    batch it came in nor on the device that holds it."""
-    base = jax.random.fold_in(jax.random.key(zlib.crc32(config.name.encode())), step)
+def fresh_rows(configs, table_of: jax.Array, step, ids: jax.Array) -> jax.Array:
+    """``float32[N, dim]``: the new rows of ``ids`` (of tables ``table_of`` among
+    ``configs``) at fused step ``step``. A row depends on the table, the step and the id
+    alone, not on the batch it came in nor on the device that holds it (a sharded table
+    draws what the whole table draws).
+
+    * Default init (uniform in the table's bounds): each value from a counter-based hash
+      (murmur3's fmix32) of (crc32 of the name, step, the id's 32-bit words, column):
+      elementwise integer work, where a threefry key per row cost most of the step.
+    * ``init_fn`` (a group of one table, ``_configs.dynamic_group_key``): ``init_fn`` with the key
+      ``fold_in(fold_in(key(crc32(name)), step), id)`` (an int64 id folded in as its two
+      32-bit words, low first), one row per key.
+    """
+    names = [zlib.crc32(c.name.encode()) for c in configs]
     words = jax.lax.bitcast_convert_type(ids, jnp.uint32).reshape(ids.shape[0], -1)
+    if configs[0].init_fn is None:
+        bounds = np.asarray([c.init_bounds() for c in configs], np.float32)
+        low, high = jnp.asarray(bounds[:, 0])[table_of], jnp.asarray(bounds[:, 1])[table_of]
+        name = jnp.asarray(names, jnp.uint32)[table_of]
+        h = _fmix32(name ^ _fmix32(jnp.asarray(step).astype(jnp.uint32)))
+        for w in range(words.shape[1]):
+            h = _fmix32(h ^ _fmix32(words[:, w] + jnp.uint32(0x9E3779B9 * (w + 1) % 2**32)))
+        column = jnp.arange(configs[0].embedding_dim, dtype=jnp.uint32) * jnp.uint32(0x85EBCA77)
+        bits = _fmix32(h[:, None] ^ column[None, :])
+        unit = (bits >> 8).astype(jnp.float32) * jnp.float32(2.0**-24)  # [0, 1)
+        return low[:, None] + (high - low)[:, None] * unit
+    base = jax.random.fold_in(jax.random.key(names[0]), step)
 
     def one(word):
         key = base
         for w in word:
             key = jax.random.fold_in(key, w)
-        return config.init(key, rows=1)[0]
+        return configs[0].init(key, rows=1)[0]
 
     return jax.vmap(one)(words)
 
 
-def slots_for_eval(index: DynamicIndex, ids, valid, *, shards: int = 1):
-    """The ids' slots, -1 for ids the index does not hold (counted as unknown)."""
+def _fmix32(h: jax.Array) -> jax.Array:
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def slots_for_eval(index: DynamicIndex, configs, ids, valid, table_of=None, *, shards: int = 1):
+    """The ids' slots (rows of the group), -1 for ids the index does not hold (counted as
+    unknown, per table)."""
     state = index.get_value()
-    slots = hash_table.find(state.table, _ids(ids, state), shards=shards)
-    unknown = jnp.sum(valid & (slots < 0), dtype=jnp.int32)
-    index.set_value(state._replace(unknown=state.unknown + unknown))
+    slots = hash_table.find(state.table, _ids(ids, state), table_of=table_of, ranges=ranges(configs, shards))
+    table_of = jnp.zeros(ids.shape, jnp.int32) if table_of is None else table_of
+    unknown = jnp.zeros((len(configs),), jnp.int32).at[table_of].add(
+        (valid & (slots < 0)).astype(jnp.int32), mode="drop")
+    index.set_value(state._replace(unknown=state.unknown + unknown.reshape(state.unknown.shape)))
     return jnp.where(valid, slots, -1)
 
 
@@ -126,15 +190,31 @@ def reset_rows(tables: FusedEmbeddingTables, slots: jax.Array, rows: jax.Array) 
 
 
 def _reset(tables, slots, rows):
-    num_rows, dim = tables.layout.rows[0], tables.layout.dims[0]
-    weights = tables.weights.reshape(num_rows, dim).at[slots].set(
-        rows.astype(tables.weights.dtype), mode="drop").reshape(-1)
+    num_rows = sum(tables.layout.rows)  # the group's tables have one width (dynamic_group_key)
+    weights = _set_rows(tables.weights, num_rows, slots, rows.astype(tables.weights.dtype))
     fields = {}
     for name in tables.config.state_names:
         buf = getattr(tables.state, name)
-        shape = buf.shape if name in tables.config.state_type.row_fields else (num_rows, -1)
-        fields[name] = buf.reshape(shape).at[slots].set(0, mode="drop").reshape(-1)
+        width = 1 if name in tables.config.state_type.row_fields else buf.size // num_rows
+        fields[name] = _set_rows(buf, num_rows, slots, jnp.zeros((slots.shape[0], width), buf.dtype))
     return dataclasses.replace(tables, weights=weights, state=tables.state._replace(**fields))
+
+
+def _set_rows(flat: jax.Array, num_rows: int, slots: jax.Array, values: jax.Array) -> jax.Array:
+    """``flat`` (a ``[num_rows * width]`` buffer) with rows ``slots`` set to ``values``
+    (``[N, width]``); slots out of range are skipped. The scatter addresses the flat buffer
+    itself: through a ``[num_rows, width]`` reshape XLA copied the whole table (twice)
+    instead of updating it in place."""
+    width = values.shape[1]
+    if (num_rows + 1) * width < 2**31:
+        index = jnp.int32
+    elif jax.config.jax_enable_x64:
+        index = jnp.int64
+    else:  # element offsets need int64: through the reshape, at the cost of the copies
+        return flat.reshape(num_rows, width).at[slots].set(values, mode="drop").reshape(-1)
+    slots = jnp.where((slots >= 0) & (slots < num_rows), slots, num_rows).astype(index)
+    cells = slots[:, None] * width + jnp.arange(width, dtype=index)[None, :]
+    return flat.at[cells.reshape(-1)].set(values.reshape(-1), mode="drop")
 
 
 def _reset_forward(tables, slots, rows):

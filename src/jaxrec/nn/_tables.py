@@ -28,10 +28,12 @@ from jaxrec.nn._configs import EmbeddingConfig, group_tables
 from jaxrec.nn._dynamic import (
     DynamicIndex,
     IndexState,
+    group_index,
     new_index,
     slots_for_eval,
     slots_for_training,
     statistics,
+    table_index,
 )
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._memory import check_fits
@@ -88,7 +90,7 @@ class GroupedTables(TableCollection):
                     g.layout, optimizer, weights=flat, copy=False, name=group_name)))
         self.tables = nnx.List(variables)
         # one hash index per dynamic group, in group order
-        self.indices = nnx.List([DynamicIndex(new_index(g.tables[0])) for g in groups if g.dynamic])
+        self.indices = nnx.List([DynamicIndex(new_index(g.tables)) for g in groups if g.dynamic])
 
     def split_embedding_weights(self) -> dict[str, jax.Array]:
         """``{table name: [num_embeddings, embedding_dim]}`` (views of the flat buffers)."""
@@ -149,14 +151,21 @@ class GroupedTables(TableCollection):
                                  f"all of them, got {given}")
             var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
 
-    def _indices(self) -> dict[str, DynamicIndex]:
-        """``{table name: its DynamicIndex}`` of the dynamic tables (``indices`` is in group order)."""
-        return dict(zip((g.tables[0].name for g in self.groups if g.dynamic), self.indices))
+    def _indices(self) -> dict[str, tuple[DynamicIndex, tuple, int, int]]:
+        """``{table name: (its group's DynamicIndex, the group's configs, its place there,
+        the group)}`` of the dynamic tables (``indices`` is in group order)."""
+        dynamic = [(i, g) for i, g in enumerate(self.groups) if g.dynamic]
+        return {t.name: (index, g.tables, k, i) for (i, g), index in zip(dynamic, self.indices)
+                for k, t in enumerate(g.tables)}
+
+    def _table_index(self, name: str) -> IndexState:
+        index, configs, k, _ = self._indices()[name]
+        return table_index(index.get_value(), configs, k)
 
     def dynamic_statistics(self) -> dict[str, dict[str, jax.Array]]:
         """``{table name: statistics}`` of the dynamic tables: ``size``, ``load_factor``,
         ``inserted``, ``evicted``, ``failed_inserts``, ``unknown_lookups`` (docs/dynamic_vocab.md)."""
-        return {name: statistics(index.get_value()) for name, index in self._indices().items()}
+        return {name: statistics(self._table_index(name)) for name in self._indices()}
 
     def dynamic_changes(self, table: str, since_step: int) -> dict[str, np.ndarray]:
         """``{"ids", "rows"}`` (NumPy) of dynamic table ``table``: the ids that training saw
@@ -166,10 +175,12 @@ class GroupedTables(TableCollection):
         if table not in indices:
             raise ValueError(f"{table!r} is not a dynamic table of collection {self.name!r}; its dynamic "
                              f"tables: {sorted(indices)}")
-        ids, slots = hash_table.changed_since(indices[table].get_value().table, since_step)
-        (i,) = [i for i, g in enumerate(self.groups) if g.tables[0].name == table]  # a group of its own
-        weights = self.tables[i].get_value().weights.reshape(-1, self.groups[i].layout.dims[0])
-        return {"ids": ids, "rows": to_host(weights[slots])}  # only the changed rows leave the device
+        ids, slots = hash_table.changed_since(self._table_index(table).table, since_step)
+        _, _, k, i = indices[table]
+        layout = self.groups[i].layout
+        weights = self.tables[i].get_value().weights.reshape(-1, layout.dims[0])  # one width (dynamic_group_key)
+        rows = weights[slots + layout.row_offsets[k]]
+        return {"ids": ids, "rows": to_host(rows)}  # only the changed rows leave the device
 
     def portable_tables(self) -> dict[str, dict[str, np.ndarray]]:
         """Each table's weights, fused optimizer state and step, as NumPy arrays: the
@@ -189,8 +200,8 @@ class GroupedTables(TableCollection):
             if self.fused:
                 for t, states in zip(g.tables, host.split_optimizer_states()):
                     out[t.name].update(states, step=host.step)
-        for name, index in self._indices().items():
-            state = jax.tree.map(to_host, index.get_value())
+        for name in self._indices():
+            state = jax.tree.map(to_host, self._table_index(name))
             counters = {f: getattr(state, f) for f in IndexState._fields[1:]}
             out[name]["index"] = {**state.table._asdict(), **counters}
         return out
@@ -205,10 +216,12 @@ class GroupedTables(TableCollection):
                     {n: {k: v for k, v in portable[n].items() if k not in ("weights", "step", "index")}
                      for n in names},
                     step=portable[names[0]]["step"])
-        for name, index in self._indices().items():
-            given = portable[name]["index"]
-            table = hash_table.HashTable(*(jnp.asarray(given[f]) for f in hash_table.HashTable._fields))
-            index.set_value(IndexState(table, *(jnp.asarray(given[f]) for f in IndexState._fields[1:])))
+        for g in (g for g in self.groups if g.dynamic):  # each group's index from its tables' own
+            index, *_ = self._indices()[g.tables[0].name]
+            given = [portable[t.name]["index"] for t in g.tables]
+            index.set_value(group_index([
+                IndexState(hash_table.HashTable(*(jnp.asarray(x[f]) for f in hash_table.HashTable._fields)),
+                           *(jnp.asarray(x[f]) for f in IndexState._fields[1:])) for x in given]))
 
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
         """One KJT per group, holding that group's features in its layout's order."""
@@ -236,19 +249,36 @@ class GroupedTables(TableCollection):
                       table_names=[group.tables[t].name for t in group.layout.feature_table_map])
         table = self.tables[i].get_value()
         if group.dynamic:  # raw ids to slots; unknown or refused ids (-1) look up nothing
-            index = self._indices()[group.tables[0].name]
+            index, configs, _, _ = self._indices()[group.tables[0].name]
             valid = jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]
+            table_of = _table_of_entries(offsets, group.layout, values.shape[0])
             if self.deterministic:
-                values = slots_for_eval(index, values, valid)
+                slots = slots_for_eval(index, configs, values, valid, table_of)
             else:
-                values, table = slots_for_training(index, table, group.tables[0], values, valid)
-            values = values.astype(offsets.dtype)
+                slots, table = slots_for_training(index, table, configs, values, valid, table_of)
+            if table_of is not None:  # group rows -> each table's rows
+                slots = jnp.where(slots >= 0, slots - jnp.asarray(group.layout.row_offsets, jnp.int32)[table_of], -1)
+            values = slots.astype(offsets.dtype)
             kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
         if self.fused:
             out = fused_lookup(table, values, offsets, **kwargs)
         else:
             out = embedding_bag_lookup(table, values, offsets, layout=group.layout, **kwargs)
         return out if pooling == PoolingMode.NONE else expand_variable_batch(out, features, group.layout.feature_dims)
+
+
+def _table_of_entries(offsets: jax.Array, layout, capacity: int) -> jax.Array | None:
+    """``int32[capacity]``: the table (in the group) of each entry of a group's ids, from the
+    feature-major ``offsets`` (``[F * stride + 1]``); entries past the last id: the last
+    feature's. None for a group of one table."""
+    if layout.num_tables == 1:
+        return None
+    num_features = len(layout.feature_table_map)
+    stride = (offsets.shape[0] - 1) // num_features
+    feature_ends = offsets[stride::stride][:num_features]  # where each feature's ids end
+    position = jnp.arange(capacity, dtype=offsets.dtype)
+    feature = jnp.minimum(jnp.searchsorted(feature_ends, position, side="right"), num_features - 1)
+    return jnp.asarray(layout.feature_table_map, jnp.int32)[feature]
 
 
 def _tt_module(config, optimizer, name: str, keys):

@@ -82,11 +82,11 @@ class InsertInfo(NamedTuple):
     hash order) if it is new, ``capacity`` (out of range) otherwise. Their rows and optimizer state must be initialised
     anew: an evicted id's row is never inherited."""
     inserted: jax.Array
-    """Distinct ids inserted."""
+    """``int32[ranges]``: distinct ids inserted (per range)."""
     evicted: jax.Array
-    """Ids evicted to make room."""
+    """``int32[ranges]``: ids evicted to make room."""
     failed: jax.Array
-    """Distinct ids left without a slot (slot -1)."""
+    """``int32[ranges]``: distinct ids left without a slot (slot -1)."""
 
 
 def create(capacity: int, *, bucket_size: int = 128, dtype=jnp.int32) -> HashTable:
@@ -111,6 +111,36 @@ hash_ids = reference.hash_ids
 bucket_of = reference.bucket_of
 
 
+class Range(NamedTuple):
+    """Buckets ``[first, first + local)`` of a table are an index of their own: bucket ``b``
+    of a table of ``total`` buckets, of which this one holds a ``local``-bucket part, is
+    bucket ``first + b % local`` here. One table: ``Range(0, nb, nb)``; a device's part of a
+    table split over D devices: ``Range(0, nb / D, nb)`` (``shard_of``); several tables
+    in one array (a collection's dynamic tables): one range after the other."""
+
+    first: int
+    local: int
+    total: int
+
+
+def ranges_of(table: HashTable, ranges=None, shards: int = 1) -> tuple[Range, ...]:
+    """``ranges`` checked, or the one range of the whole table (a ``1 / shards`` part)."""
+    num_buckets = table.keys.shape[0]
+    if ranges is None:
+        return (Range(0, num_buckets, num_buckets * shards),)
+    ranges = tuple(Range(*map(int, r)) for r in ranges)
+    end = 0
+    for r in ranges:
+        if r.first != end or r.local < 1 or r.total % r.local or r.total >= 2**31:
+            raise ValueError(f"ranges must tile the table's {num_buckets} buckets in order, each a part "
+                             f"(local) of a table of total buckets (a multiple of local, below 2**31); "
+                             f"got {ranges}")
+        end += r.local
+    if end != num_buckets:
+        raise ValueError(f"ranges cover {end} buckets, the table has {num_buckets}; got {ranges}")
+    return ranges
+
+
 def shard_of(ids: jax.Array, num_buckets: int, shards: int) -> jax.Array:
     """Each id's shard (``int32``) when a table of ``num_buckets`` buckets is split into
     ``shards`` consecutive bucket ranges (``num_buckets % shards == 0``), each a table of
@@ -122,88 +152,119 @@ def shard_of(ids: jax.Array, num_buckets: int, shards: int) -> jax.Array:
     return bucket_of(ids, num_buckets) // (num_buckets // shards)
 
 
-def find(table: HashTable, ids: jax.Array, *, shards: int = 1, backend: str = "auto") -> jax.Array:
+def find(table: HashTable, ids: jax.Array, *, table_of: jax.Array | None = None, ranges=None,
+         shards: int = 1, backend: str = "auto") -> jax.Array:
     """``int32`` slot of each id, -1 where the table does not hold it.
 
-    shards: the table is one of ``shards`` bucket ranges of a larger table, and ``ids`` are
-    the ids of its range (``shard_of``). backend: "auto", "kernel" or "reference"
-    (``jaxrec._ffi.dispatch``)."""
+    ``ranges`` (``Range`` per table, default: the whole table) and ``table_of`` (``int32[N]``,
+    each id's range, default 0): the table holds several indices, one per range; an id
+    whose ``table_of`` is no range's gets -1.
+    ``shards``: the table (one range) is one of ``shards`` bucket ranges of a larger table,
+    and ``ids`` are the ids of its range (``shard_of``). backend: "auto", "kernel" or
+    "reference" (``jaxrec._ffi.dispatch``)."""
     ids = _check(table, ids)
-    return _find(table.keys, table.digests, ids, shards=shards, backend=backend)
+    ranges = ranges_of(table, ranges, shards)
+    table_of = _table_of(ids, table_of, len(ranges))
+    return _find(table.keys, table.digests, ids, table_of, ranges=ranges, backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("shards", "backend"))
-def _find(keys, digests, ids, *, shards, backend):
-    def kernel(keys, digests, ids):
+@functools.partial(jax.jit, static_argnames=("ranges", "backend"))
+def _find(keys, digests, ids, table_of, *, ranges, backend):
+    bounds = jnp.asarray(ranges, jnp.int32).reshape(-1, 3)
+
+    def kernel(keys, digests, ids, table_of, bounds):
         call = jax.ffi.ffi_call("jaxrec_hash_find", jax.ShapeDtypeStruct(ids.shape, jnp.int32),
                                 vmap_method="sequential")
-        return call(keys, digests, ids, total_buckets=np.int64(keys.shape[0] * shards))
+        return call(keys, digests, ids, table_of, bounds)
 
-    def ref(keys, digests, ids):
-        return reference.find(keys, digests, ids, shards)
+    def ref(keys, digests, ids, table_of, bounds):
+        return reference.find(keys, digests, ids, bounds, table_of)
 
-    return _ffi.dispatch(kernel, ref, keys, digests, ids, backend=backend)
+    slots = _ffi.dispatch(kernel, ref, keys, digests, ids, table_of, bounds, backend=backend)
+    return jnp.where((table_of >= 0) & (table_of < len(ranges)), slots, -1)  # not an index's id
 
 
 def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru",
-                   valid: jax.Array | None = None, shards: int = 1,
-                   backend: str = "auto") -> tuple[jax.Array, HashTable, InsertInfo]:
+                   valid: jax.Array | None = None, table_of: jax.Array | None = None, ranges=None,
+                   shards: int = 1, backend: str = "auto") -> tuple[jax.Array, HashTable, InsertInfo]:
     """``(slots, table, info)``: every id's slot, inserting new ids (module doc).
 
     ``step``: the training step (LRU's score). ``valid``: ``bool[N]``, False for entries
-    that are not ids (a KJT's padding): they get slot -1 and change nothing. ``shards``:
-    as for ``find`` (the valid ids must be those of the table's range).
-    backend: "auto", "kernel" or "reference" (``jaxrec._ffi.dispatch``).
+    that are not ids (a KJT's padding): they get slot -1 and change nothing. ``table_of``,
+    ``ranges``, ``shards``: as for ``find`` (the valid ids must be those of the table's
+    ranges). backend: "auto", "kernel" or "reference" (``jaxrec._ffi.dispatch``).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     ids = _check(table, ids)
+    ranges = ranges_of(table, ranges, shards)
+    table_of = _table_of(ids, table_of, len(ranges))
     valid = jnp.ones(ids.shape, bool) if valid is None else jnp.asarray(valid, bool)
-    return _find_or_insert(table, ids, jnp.asarray(step, jnp.int32), valid, policy=policy, shards=shards,
-                           backend=backend)
+    return _find_or_insert(table, ids, jnp.asarray(step, jnp.int32), valid, table_of, policy=policy,
+                           ranges=ranges, backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "shards", "backend"))
-def _find_or_insert(table, ids, step, valid, *, policy, shards, backend):
-    # One run per distinct hash (= distinct id: fmix is a bijection), in hash order.
+@functools.partial(jax.jit, static_argnames=("policy", "ranges", "backend"))
+def _find_or_insert(table, ids, step, valid, table_of, *, policy, ranges, backend):
+    # One run per distinct (range, id), in (range, hash) order: a stable sort by hash, then
+    # (several ranges) a stable sort by range; fmix is a bijection, so equal hashes are
+    # equal ids.
     h = hash_ids(ids)
     order = jnp.argsort(h, stable=True)
-    s_h, s_valid = h[order], valid[order]
+    if len(ranges) > 1:
+        order = order[jnp.argsort(table_of[order], stable=True)]
+    s_h, s_valid, s_table = h[order], valid[order], table_of[order]
     n = ids.shape[0]
-    new_run = jnp.concatenate([jnp.ones((min(n, 1),), bool), s_h[1:] != s_h[:-1]])
+    new_run = jnp.concatenate([jnp.ones((min(n, 1),), bool),
+                               (s_h[1:] != s_h[:-1]) | (s_table[1:] != s_table[:-1])])
     run = jnp.cumsum(new_run, dtype=jnp.int32) - 1
+    s_valid &= (s_table >= 0) & (s_table < len(ranges))  # an id of no range is no id
     counts = jnp.zeros((n,), jnp.int32).at[run].add(s_valid.astype(jnp.int32))
-    # The entries past the last run repeat the last id (count 0), so the runs stay in hash
+    # The entries past the last run repeat the last one (count 0), so the runs stay in
     # order to the end: each bucket's runs are consecutive.
     s_ids = ids[order]
     run_ids = jnp.full((n,), s_ids[-1] if n else 0, ids.dtype).at[run].set(s_ids)
+    run_tables = jnp.full((n,), s_table[-1] if n else 0, jnp.int32).at[run].set(s_table)
+    bounds = jnp.asarray(ranges, jnp.int32).reshape(-1, 3)
 
-    def kernel(keys, digests, scores, seen, run_ids, counts, step):
+    def kernel(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds):
         like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (keys, digests, scores, seen)]
         call = jax.ffi.ffi_call(
             "jaxrec_hash_insert", (*like, jax.ShapeDtypeStruct((n,), jnp.int32),
                                    jax.ShapeDtypeStruct((n,), jnp.int32)),
             input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3}, vmap_method="sequential")
-        *state, run_slots, status = call(keys, digests, scores, seen, run_ids, counts, step,
-                                         policy=np.int32(POLICIES.index(policy)),
-                                         total_buckets=np.int64(keys.shape[0] * shards))
+        *state, run_slots, status = call(keys, digests, scores, seen, run_ids, run_tables, counts, step,
+                                         bounds, policy=np.int32(POLICIES.index(policy)))
         return HashTable(*state), run_slots, status
 
     def ref(*args):
-        *state, run_slots, status = reference.insert_runs(*args, policy, shards)
+        *state, run_slots, status = reference.insert_runs(*args, policy)
         return HashTable(*state), run_slots, status
 
-    new, run_slots, status = _ffi.dispatch(kernel, ref, *table, run_ids, counts, step, backend=backend)
+    new, run_slots, status = _ffi.dispatch(kernel, ref, *table, run_ids, run_tables, counts, step, bounds,
+                                           backend=backend)
     slots = jnp.zeros((n,), jnp.int32).at[order].set(jnp.where(s_valid, run_slots[run], -1))
     placed = (status == INSERTED) | (status == INSERTED_EVICTING)
     # fresh_slots by the id's rank among the batch's distinct ids (hash order), so that
     # the padding entries do not shift it.
     rank = jnp.cumsum(status != NOT_AN_ID, dtype=jnp.int32) - 1
     fresh = jnp.full((n,), table.capacity, jnp.int32).at[jnp.where(placed, rank, n)].set(run_slots, mode="drop")
-    info = InsertInfo(fresh, jnp.sum(placed, dtype=jnp.int32),
-                      jnp.sum(status == INSERTED_EVICTING, dtype=jnp.int32),
-                      jnp.sum(status == FAILED, dtype=jnp.int32))
+    tables = len(ranges)
+    info = InsertInfo(fresh, *(jnp.zeros((tables,), jnp.int32).at[run_tables].add(flag.astype(jnp.int32),
+                                                                                  mode="drop")
+                               for flag in (placed, status == INSERTED_EVICTING, status == FAILED)))
     return slots, new, info
+
+
+def _table_of(ids, table_of, count: int) -> jax.Array:
+    if table_of is None:
+        if count != 1:
+            raise ValueError(f"table_of is needed: the table holds {count} ranges")
+        return jnp.zeros(ids.shape, jnp.int32)
+    table_of = jnp.asarray(table_of)
+    if table_of.shape != ids.shape:
+        raise ValueError(f"table_of must be like ids, {list(ids.shape)}, got {list(table_of.shape)}")
+    return table_of.astype(jnp.int32)
 
 
 def _check(table: HashTable, ids) -> jax.Array:

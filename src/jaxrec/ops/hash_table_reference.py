@@ -44,49 +44,56 @@ def digest_of_hash(h: jax.Array) -> jax.Array:
     return jnp.where(d == 0, jnp.uint8(1), d)
 
 
-def _mul_hi32(x: jax.Array, n: int) -> jax.Array:
-    """``(x * n) >> 32`` for ``uint32`` x and ``n < 2**31``, in 32-bit arithmetic (int64
-    may be off): the four 16-bit partial products, carries added."""
+def _mul_hi32(x: jax.Array, n) -> jax.Array:
+    """``(x * n) >> 32`` for ``uint32`` x and n (an int or ``uint32`` array) below 2**31, in
+    32-bit arithmetic (int64 may be off): the four 16-bit partial products, carries added."""
+    n = jnp.asarray(n, jnp.uint32)
     a, b = x >> 16, x & 0xFFFF
-    c, d = jnp.uint32(n >> 16), jnp.uint32(n & 0xFFFF)
+    c, d = n >> 16, n & 0xFFFF
     ad, bc = a * d, b * c
     mid = ((b * d) >> 16) + (ad & 0xFFFF) + (bc & 0xFFFF)
     return a * c + (ad >> 16) + (bc >> 16) + (mid >> 16)
 
 
-def local_bucket(h: jax.Array, num_buckets: int, shards: int) -> jax.Array:
-    """The bucket in a table that is one of ``shards`` bucket ranges of ``num_buckets``
-    each (``hash_table.shard_of``): the id's bucket in the whole table, in its range."""
-    bucket = bucket_of_hash(h, num_buckets * shards)
-    return bucket if shards == 1 else bucket % num_buckets
+def bucket_in(h: jax.Array, ranges: jax.Array, table_of: jax.Array) -> jax.Array:
+    """Each id's bucket in a table holding bucket ranges (``hash_table.Ranges``): range
+    ``t = table_of`` starts at bucket ``first[t]`` and holds ``local[t]`` buckets of a table of
+    ``total[t]``: ``first + bucket_of_hash(h, total) % local``."""
+    first, local, total = (ranges[table_of, k] for k in range(3))
+    if h.dtype == jnp.uint64:
+        bucket = ((h >> 32) * total.astype(jnp.uint64)) >> 32
+    else:
+        bucket = _mul_hi32(h, total.astype(jnp.uint32))
+    return (first + bucket.astype(jnp.int32) % local).astype(jnp.int32)
 
 
-def _lookup(keys, digests, ids, shards) -> tuple[jax.Array, jax.Array]:
+def _lookup(keys, digests, ids, ranges, table_of) -> tuple[jax.Array, jax.Array]:
     """``(slot, found)`` of each id: its bucket's slots of equal digest compared with it."""
-    num_buckets, size = keys.shape
+    size = keys.shape[1]
     h = hash_ids(ids)
-    bucket = local_bucket(h, num_buckets, shards)
+    bucket = bucket_in(h, ranges, table_of)
     match = (digests[bucket] == digest_of_hash(h)[:, None]) & (keys[bucket] == ids[:, None])
     return bucket * size + jnp.argmax(match, axis=1).astype(jnp.int32), jnp.any(match, axis=1)
 
 
-def find(keys, digests, ids, shards: int = 1) -> jax.Array:
+def find(keys, digests, ids, ranges, table_of) -> jax.Array:
     """``int32`` slot of each id, -1 where the table does not hold it."""
-    slot, found = _lookup(keys, digests, ids, shards)
+    slot, found = _lookup(keys, digests, ids, ranges, table_of)
     return jnp.where(found, slot, -1)
 
 
-def insert_runs(keys, digests, scores, seen, run_ids, counts, step, policy: str, shards: int = 1):
+def insert_runs(keys, digests, scores, seen, run_ids, run_tables, counts, step, ranges, policy: str):
     """``(keys, digests, scores, seen, run_slots, status)``: the table's new state and
     where each run went. Places a batch's distinct ids (``hash_table``'s
-    module doc). ``run_ids[r]`` is an id of the batch where ``counts[r] > 0`` (how often
-    it occurs), distinct and in hash order; entries with count 0 are not ids. ``status``:
+    module doc). ``run_ids[r]`` (of range ``run_tables[r]``) is an id of the batch where
+    ``counts[r] > 0`` (how often it occurs), distinct and in (range, hash) order; entries
+    with count 0 are not ids. ``status``:
     ``NOT_AN_ID`` / ``FOUND`` / ``INSERTED`` / ``INSERTED_EVICTING`` / ``FAILED``."""
     n = run_ids.shape[0]
     shape = num_buckets, size = keys.shape
     capacity = keys.size
     is_id = counts > 0
-    slot, found = _lookup(keys, digests, run_ids, shards)
+    slot, found = _lookup(keys, digests, run_ids, ranges, run_tables)
     found &= is_id
     flat_used, flat_scores = digests.reshape(-1) != 0, scores.reshape(-1)
     hit = jnp.zeros((capacity,), bool).at[jnp.where(found, slot, capacity)].set(True, mode="drop")
@@ -94,7 +101,7 @@ def insert_runs(keys, digests, scores, seen, run_ids, counts, step, policy: str,
     # New ids: their rank among the batch's new ids of their bucket (hash order).
     missing = is_id & ~found
     h = hash_ids(run_ids)
-    bucket = local_bucket(h, num_buckets, shards)
+    bucket = bucket_in(h, ranges, run_tables)
     key = jnp.where(missing, bucket, num_buckets)
     by_bucket = jnp.argsort(key, stable=True)
     sorted_key = key[by_bucket]

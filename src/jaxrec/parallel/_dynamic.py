@@ -57,7 +57,7 @@ def check(config, n: int) -> None:
 def sharded_index(config, mesh, axis: str, portable: Mapping[str, np.ndarray] | None = None) -> IndexState:
     """The global index of a dynamic table on ``mesh``: empty, or from its portable form
     (``to_portable``, or an unsharded collection's), whose counters device 0 takes."""
-    empty = jax.tree.map(np.asarray, new_index(config).table)  # host arrays: placed from every process
+    empty = jax.tree.map(np.asarray, new_index([config]).table)  # host arrays: placed from every process
     table = empty
     if portable is not None:
         table = hash_table.HashTable(*(np.asarray(portable[f]) for f in hash_table.HashTable._fields))
@@ -106,9 +106,9 @@ def map_ids(index, tables, config, ids: Ids, features: Sequence[int], me, n: int
     mine = owned(ids, features, num_buckets, me, n)
     values, valid = ids.values.ravel(), mine.ravel()
     if training:
-        slots, tables = slots_for_training(index, tables, config, values, valid, shards=n)
+        slots, tables = slots_for_training(index, tables, [config], values, valid, shards=n)
     else:
-        slots = slots_for_eval(index, values, valid, shards=n)
+        slots = slots_for_eval(index, [config], values, valid, shards=n)
     rows = config.num_embeddings // n
     slots = jnp.where(valid & (slots >= 0), slots + me * rows, -1)
     return Ids(slots.reshape(ids.values.shape).astype(ids.values.dtype), ids.lengths, ids.weights), tables

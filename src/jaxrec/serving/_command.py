@@ -294,6 +294,10 @@ def _config(meta, directory: Path) -> TrainConfig:
                          "serves click-through models: --task ctr with --model "
                          f"{' or '.join(SERVED_TASKS['ctr'])} (dense features and ids in, a logit out). "
                          "Quantize other models in Python: jaxrec.serving.quantize")
+    if config.vocab == "dynamic":
+        raise ValueError(f"{where} trained dynamic-vocabulary tables (--vocab dynamic), which serving does "
+                         "not support yet (a quantized table would lose its hash index): train with "
+                         "--vocab modulo to export the model")
     if config.tt_ranks:
         raise ValueError(f"{where} TT-compressed its tables of >= {config.tt_min_rows} rows (--tt-ranks "
                          f"{','.join(map(str, config.tt_ranks))}); jaxrec export quantizes dense rows and "

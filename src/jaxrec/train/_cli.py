@@ -20,6 +20,7 @@ from jaxrec.train._config import (
     TASKS,
     TEMPERATURE,
     TOP_K,
+    VOCABS,
     TrainConfig,
 )
 
@@ -54,6 +55,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--max-rows", type=int, default=d.max_rows,
                    help="cap on every table's rows (Criteo: ids hashed modulo it; "
                    "MovieLens: dense ids folded, i %% max_rows)")
+    p.add_argument("--vocab", choices=VOCABS, default=d.vocab,
+                   help="click data: modulo hashes each categorical value to a row, value %% rows "
+                        "(the default); dynamic gives each value its own raw id (Criteo: the hex "
+                        "value itself, no modulo) and makes the 26 tables dynamic vocabularies of "
+                        "the same rows (rounded down to buckets of 128), inserting new ids while "
+                        "training and evicting the least recently used; evaluation looks ids up "
+                        "only (an unknown id embeds as zeros). Ids are int64 (a 32-bit Criteo "
+                        "value bit-cast to int32 would turn half the values negative, which the "
+                        "readers use for 'no id'), so the run turns on jax_enable_x64; the model "
+                        "still computes in float32. A value of 2**63 or more is an error, never "
+                        "folded (default: %(default)s)")
     p.add_argument("--tt-ranks", type=_ints, default=d.tt_ranks, metavar="R1,R2",
                    help="TT-compress the tables of >= --tt-min-rows rows with these ranks")
     p.add_argument("--tt-min-rows", type=int, default=d.tt_min_rows)
@@ -133,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
 
         initialize_distributed(joining["coordinator"], joining["num_processes"],
                                joining["process_id"])
+    from jaxrec.train import _vocab
     from jaxrec.train._loop import TrainingStopped, train
 
     # Every way a run can fail ends in one clear message and a non-zero exit code.
@@ -175,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
         stop = record["early_stop"]
         print(f"stopped early at step {stop['step']}: {stop['patience']} evaluations without a "
               f"better validation metric than step {stop['best_step']}'s (--patience)")
+    if record.get("dynamic_vocab"):
+        print(_vocab.summary(record["dynamic_vocab"]))
     skipped = (record["step_stats"] or {}).get("nonfinite_steps")
     if skipped:
         print(f"skipped {skipped} non-finite steps (--on-nonfinite skip)")

@@ -13,6 +13,7 @@ NONFINITE_POLICIES = {"stop": "raise", "skip": "skip"}  # -> the train step's on
 CTR_MODELS, RATING_MODELS = ("dlrm", "dcn"), ("mf", "two_tower")
 TASKS = ("ctr", "ratings", "retrieval")  # ctr: click data; ratings, retrieval: movielens
 RETRIEVAL_LOSSES = ("softmax", "bpr")
+VOCABS = ("modulo", "dynamic")  # click data's values: hashed modulo the rows, or raw ids (_vocab.py)
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 # Table optimizers by FBGEMM's names (lower case, without EXACT_); "plain" keeps the tables
 # as nnx.Param and lets the dense optax optimizer train them from dense gradients.
@@ -35,7 +36,9 @@ TABLE_OPTIMIZERS = {
 RESUME_MUST_MATCH = ("data", "task", "model", "seed", "table_optimizer", "dense_optimizer",
                      "batch_size", "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows",
                      "eval_batches", "val_fraction", "positive_threshold", "retrieval_loss",
-                     "top_k", "side_features")
+                     "top_k", "side_features", "vocab")
+# A setting that a checkpoint written before its flag existed ran with (the one behaviour then).
+RESUME_MISSING = {"vocab": "modulo"}
 # Applied to the restored state (the rates), read by the loss each step (weight_decay,
 # temperature), or by the loop at each evaluation (patience: the count restarts from the
 # restored curve).
@@ -86,6 +89,11 @@ class TrainConfig:
     max_rows: int = 20_000
     """Caps every table (Criteo ids are hashed modulo the table size; MovieLens dense ids
     fold, ``i % max_rows``)."""
+    vocab: str = "modulo"
+    """Click data: ``modulo`` (each value hashed modulo its table's rows) or ``dynamic``
+    (each value its own raw int64 id, the tables dynamic vocabularies of the same rows
+    rounded down to buckets of 128, LRU eviction; the run turns on ``jax_enable_x64``).
+    ``_vocab.py``."""
     tt_ranks: tuple[int, ...] = ()
     """TT-compress (FBTT) every table of at least ``tt_min_rows`` rows with these inner
     ranks, e.g. (8, 8) for three cores; () keeps all tables dense. A TT table trains with
@@ -216,6 +224,7 @@ class TrainConfig:
         if self.patience is None:
             object.__setattr__(self, "patience", PATIENCE if self.has_validation else 0)
         self._check_retrieval()
+        self._check_vocab()
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {tuple(NONFINITE_POLICIES)}, got "
                              f"{self.on_nonfinite!r}")
@@ -263,6 +272,25 @@ class TrainConfig:
                             ("side_features", bool(self.side_features))):
             object.__setattr__(self, name, value)
 
+    def _check_vocab(self) -> None:
+        """``vocab``: one of ``VOCABS``; dynamic tables need click data, fused dense tables."""
+        if self.vocab not in VOCABS:
+            raise ValueError(f"vocab must be one of {VOCABS}, got {self.vocab!r}")
+        if self.vocab == "modulo":
+            return
+        why = None
+        if self.data_kind not in ("synthetic", "criteo"):
+            why = (f"applies to click data (criteo:PATH, synthetic); {self.data_kind} ids are "
+                   "re-indexed densely, each its own row up to --max-rows: drop --vocab")
+        elif self.table_optimizer == "plain":
+            why = ("needs a fused table optimizer (a new id's row and optimizer state are reset "
+                   "inside the step, which optax's state cannot follow): drop --table-optimizer "
+                   "plain (the default is rowwise_adagrad)")
+        elif self.tt_ranks:
+            why = "makes every table a dynamic vocabulary, and a table is either TT or dynamic: drop --tt-ranks"
+        if why:
+            raise ValueError(f"--vocab dynamic {why}")
+
     def resume_differences(self, saved: dict) -> tuple[list[str], list[str]]:
         """``(refused, applied)``: this config's differences from a checkpoint's ``saved``
         config (``dataclasses.asdict`` of a ``TrainConfig``), as ``"--flag old -> new"``.
@@ -270,14 +298,15 @@ class TrainConfig:
         A field that shapes the model or the data stream (``RESUME_MUST_MATCH``) cannot
         change in a resumed run (refused); a learning rate can (applied); the rest (how
         long, how often to evaluate, where to write) is free. A field missing from
-        ``saved`` counts as a difference.
+        ``saved`` counts as a difference, unless ``RESUME_MISSING`` gives the value that
+        checkpoints written before it existed ran with.
         """
         mine = json.loads(json.dumps(dataclasses.asdict(self)))  # tuples -> lists, as saved
         missing = object()
         refused, applied = [], []
         for names, out in ((RESUME_MUST_MATCH, refused), (RESUME_APPLIED, applied)):
             for name in names:
-                old = saved.get(name, missing)
+                old = saved.get(name, RESUME_MISSING.get(name, missing))
                 if old != mine[name]:
                     old = "(not recorded)" if old is missing else _show(old)
                     out.append(f"{flag(name)} {old} -> {_show(mine[name])}")

@@ -67,7 +67,7 @@ from jaxrec.checkpoint import (
 from jaxrec.data import Prefetcher
 from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
 from jaxrec.parallel import load_portable_state, make_forward, portable_state
-from jaxrec.train import _processes
+from jaxrec.train import _processes, _vocab
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves
 from jaxrec.train._progress import Progress
@@ -101,7 +101,7 @@ def train(config: TrainConfig) -> dict:
     first = jax.process_index() == 0
     lock = CheckpointLock(config.checkpoint_dir) if config.checkpoint_dir and first else (
         contextlib.nullcontext())
-    with lock:
+    with lock, _vocab.ids_width(config):  # int64 ids: before the data and the model exist
         return _Run(config).run()
 
 
@@ -128,6 +128,7 @@ class _Run:
         self.saved_step = None  # the newest checkpoint this run wrote or resumed
         self.early_stop: dict | None = None
         self.test: dict = {}
+        self.test_unknown: dict | None = None  # dynamic tables: the test's unknown ids
         if config.resume:
             self._resume()
         self.start = self.step
@@ -247,11 +248,17 @@ class _Run:
                 self.best_state = jax.device_get(nnx.state(self.model))
 
     def _metrics(self, batches) -> dict[str, float]:
+        """The task's metrics on ``batches``, the model in evaluation mode (flax's
+        ``model.eval()``: a dynamic table looks ids up without inserting them), then back in
+        training mode."""
         self.train_step.check()  # a step's own finding first: it is the cause
+        self.model.eval()
         try:
             return self.task.evaluate(self.predict, batches)
         except FloatingPointError as e:  # non-finite predictions: stopped as a non-finite step
             raise NonFiniteError(f"evaluation: {e}", self.step - self.start - 1) from e
+        finally:
+            self.model.train()
 
     def _test(self) -> None:
         """The test metrics of the best model (``self.test``); the model is left as the best."""
@@ -261,7 +268,12 @@ class _Run:
             return
         if best["step"] != self.step:
             self._restore_best(best["step"])
+        dynamic = self.config.vocab == "dynamic"
+        before = _vocab.unknown_lookups(self.model) if dynamic else 0
         result = self._metrics(self.task.test_batches)
+        if dynamic:
+            self.test_unknown = _vocab.unknown_ids(self.task.test_batches,
+                                                   _vocab.unknown_lookups(self.model) - before)
         self.test = {**{k: v for k, v in best.items() if k in ("step", "epoch")},
                      "model": "best", **result}
         if self.config.checkpoint_dir:
@@ -340,6 +352,18 @@ class _Run:
         except Exception:  # noqa: BLE001 (the step's own error is being reported)
             return None
 
+    def _dynamic_statistics(self) -> dict | None:
+        """The dynamic tables' statistics (``_vocab.statistics``) and the test's unknown ids;
+        None without dynamic tables, or when the state cannot be read (the run's own error
+        is being reported)."""
+        if self.config.vocab != "dynamic":
+            return None
+        try:
+            stats = _vocab.statistics(self.model)
+        except Exception:  # noqa: BLE001 (a failed step's state)
+            return None
+        return {**stats, "test": self.test_unknown}
+
     def _stop(self, status: str, message: str, error: Exception):
         record = self._write(status, message)
         raise TrainingStopped(message, record) from error
@@ -373,6 +397,7 @@ class _Run:
             "test": self.test,
             "final": {k: v for k, v in self.test.items()
                       if k not in ("step", "epoch", "model", "checkpoint")},
+            "dynamic_vocab": self._dynamic_statistics(),
             "history": self.history,
         }
         if jax.process_index() != 0:  # one run, one set of outputs: process 0's

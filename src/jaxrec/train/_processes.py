@@ -22,7 +22,8 @@ of each share (``equal_passes``), so that no process runs out while the others w
 collective. Checkpoints hold the plan-free (portable) state (``_loop.checkpoint_state``),
 so a run resumes on any number of processes. Refused for now, with the reason: MovieLens
 and click logs (their dense rows are numbered from every rating's raw ids), TT tables (no
-sharded TT collection) and plain tables (their optax state mirrors the plan).
+sharded TT collection), plain tables (their optax state mirrors the plan) and
+``--vocab dynamic`` (not planned over processes yet).
 """
 
 from __future__ import annotations
@@ -61,6 +62,10 @@ def check(config: TrainConfig) -> None:
                "shares per process so far; train it in one process")
     elif config.tt_ranks:
         why = "--tt-ranks: TT tables are not sharded; train them in one process"
+    elif config.vocab == "dynamic":
+        why = ("--vocab dynamic: jaxrec train does not shard dynamic tables yet (their buckets "
+               "must split evenly over the devices, which --max-rows does not ensure); train it in "
+               "one process")
     elif config.table_optimizer == "plain":
         why = ("--table-optimizer plain: the optax state of sharded plain tables depends on the "
                "plan, so their checkpoints would not restore on another number of processes; "

@@ -14,6 +14,7 @@ from flax import nnx
 
 from jaxrec import data, metrics, optim
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig
+from jaxrec.train import _vocab
 from jaxrec.train._config import TABLE_OPTIMIZERS, TrainConfig
 from jaxrec.train._processes import gather
 
@@ -49,16 +50,24 @@ class Task:
 
 
 def collection(config: TrainConfig, keys, sizes, extra_columns: int = 0) -> EmbeddingBagCollection:
+    """One table per key, of ``sizes`` rows (``--vocab dynamic``: a dynamic vocabulary of
+    ``dynamic_slots(rows)``), TT-compressed from ``tt_min_rows`` rows with ``--tt-ranks``."""
     optimizer = TABLE_OPTIMIZERS[config.table_optimizer]
     tt = tt_config(config)
     dim = config.embedding_dim + extra_columns
-    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=dim,
-                                 feature_names=[k], tt=tt if tt and n >= config.tt_min_rows else None)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=table_rows(config, n), embedding_dim=dim,
+                                 feature_names=[k], tt=tt if tt and n >= config.tt_min_rows else None,
+                                 dynamic=_vocab.dynamic_vocab(config, n))
               for k, n in zip(keys, sizes)]
     return EmbeddingBagCollection(
         tables, optimizer=None if optimizer is None else optimizer(
             learning_rate=config.table_learning_rate),
         rngs=nnx.Rngs(config.seed), backend=config.backend)
+
+
+def table_rows(config: TrainConfig, rows: int) -> int:
+    """The rows of the run's table for a table of ``rows`` (a dynamic table's slots)."""
+    return _vocab.dynamic_slots(rows)[0] if config.vocab == "dynamic" else rows
 
 
 def tt_config(config: TrainConfig) -> TTConfig | None:

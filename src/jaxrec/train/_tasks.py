@@ -28,7 +28,7 @@ from jaxrec.train import _processes
 from jaxrec.train._config import TrainConfig
 from jaxrec.train._processes import data_shard
 from jaxrec.train._retrieval import retrieval_task
-from jaxrec.train._task_base import Task, collection, masked_mean, passes
+from jaxrec.train._task_base import Task, collection, masked_mean, passes, table_rows
 
 _TEST_START = 1_000_000_000  # synthetic batches from here on are never trained on
 _VAL_START = 2_000_000_000
@@ -103,8 +103,10 @@ def _ctr_task(config: TrainConfig) -> Task:
         paths = _criteo_files(Path(config.data_path))
         sizes = tuple(min(n, config.max_rows) for n in data.CRITEO_KAGGLE_CARDINALITIES)
         share = data_shard()
-        reader = data.CriteoReader(paths, batch_size=config.batch_size // share[1],
-                                   num_embeddings_per_feature=list(sizes), shard=share)
+        # dynamic tables take the values themselves (int64 ids), modulo tables their hashes
+        ids = dict(ids="raw") if config.vocab == "dynamic" else dict(
+            num_embeddings_per_feature=list(sizes))
+        reader = data.CriteoReader(paths, batch_size=config.batch_size // share[1], shard=share, **ids)
         keys, num_dense = reader.keys, len(data.CRITEO_DENSE_KEYS)
         test, val = _held_out_criteo(reader, config)
         steps_per_epoch = None
@@ -133,7 +135,8 @@ def _ctr_task(config: TrainConfig) -> Task:
     def predict(model, batch):
         return jax.nn.sigmoid(model(batch.dense, batch.sparse)[:, 0])
 
-    info.update(keys=list(keys), table_sizes=list(sizes), table_memory=table_memory(ebc))
+    info.update(keys=list(keys), table_sizes=[table_rows(config, n) for n in sizes],
+                table_memory=table_memory(ebc))
     return Task(model, loss_fn, predict, train_batches, val, test, steps_per_epoch, info)
 
 
