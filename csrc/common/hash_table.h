@@ -52,14 +52,14 @@ JAXREC_HOST_DEVICE int64_t BucketOf(uint64_t h, int64_t num_buckets) {
 // is buckets [first, first + local) and holds a local-bucket part of a table of total
 // buckets; an id of range t has bucket first + BucketOf(h, total) % local (an id routed to
 // a part has its bucket in the part's range of the larger table).
-// A range index outside [0, count) is clamped (memory safety; the wrapper makes such ids
-// no ids).
+// An id of no range (t outside [0, count): the wrapper's padding runs, a bad table_of)
+// has no bucket: -1.
 struct Ranges {
   const int32_t* bounds;
   int32_t count;
   template <typename H>
   JAXREC_HOST_DEVICE int64_t Of(H h, int32_t t) const {
-    t = t < 0 ? 0 : (t >= count ? count - 1 : t);
+    if (t < 0 || t >= count) return -1;
     const int32_t first = bounds[3 * t], local = bounds[3 * t + 1], total = bounds[3 * t + 2];
     const int64_t b = BucketOf(h, total);
     return first + (total == local ? b : b % local);

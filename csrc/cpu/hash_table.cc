@@ -36,7 +36,12 @@ void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, Ranges r
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {
     for (int64_t i = item * kIdsPerItem, end = std::min(n, (item + 1) * kIdsPerItem); i < end; ++i) {
       const auto h = Hash(ids[i]);
-      const int64_t first = ranges.Of(h, table_of[i]) * size;
+      const int64_t bucket = ranges.Of(h, table_of[i]);
+      if (bucket < 0) {
+        slots[i] = -1;
+        continue;
+      }
+      const int64_t first = bucket * size;
       const int p = FindInBucket(keys + first, digests + first, size, DigestOf(h), ids[i]);
       slots[i] = p < 0 ? -1 : static_cast<int32_t>(first + p);
     }
@@ -113,7 +118,11 @@ void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, co
       const int64_t b = bucket(r);
       int64_t end = r + 1;
       while (end < n && bucket(end) == b) ++end;
-      PlaceBucket(t, keys, b, run_ids, counts, r, end, step, policy, run_slots, status);
+      if (b >= 0) {
+        PlaceBucket(t, keys, b, run_ids, counts, r, end, step, policy, run_slots, status);
+      } else {  // runs of no range: no ids
+        for (int64_t q = r; q < end; ++q) run_slots[q] = -1, status[q] = kNotAnId;
+      }
       r = end;
     }
   });

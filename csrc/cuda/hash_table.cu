@@ -59,7 +59,12 @@ __global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict
   if (i >= n) return;
   const I id = ids[i];
   const auto h = Hash(id);
-  const int64_t first = ranges.Of(h, table_of[i]) * size;
+  const int64_t bucket = ranges.Of(h, table_of[i]);
+  if (bucket < 0) {
+    slots[i] = -1;
+    return;
+  }
+  const int64_t first = bucket * size;
   const int p = FindFast(keys + first, digests + first, size, DigestOf(h), id);
   slots[i] = p < 0 ? -1 : static_cast<int32_t>(first + p);
 }
@@ -85,7 +90,12 @@ __global__ void LookupRuns(Table t, const I* __restrict__ keys, const I* __restr
   }
   const I id = run_ids[r];
   const auto h = Hash(id);
-  const int64_t first = t.ranges.Of(h, run_tables[r]) * t.size;
+  const int64_t bucket = t.ranges.Of(h, run_tables[r]);
+  if (bucket < 0) {
+    status[r] = kNotAnId;
+    return;
+  }
+  const int64_t first = bucket * t.size;
   const int p = FindFast(keys + first, t.digests + first, t.size, DigestOf(h), id);
   if (p < 0) {
     status[r] = kFailed;  // until placed
@@ -118,6 +128,7 @@ __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
   const int64_t begin = blockIdx.x * int64_t{kWarpsPerBlock} + warp;
   if (begin >= n) return;
   const int64_t bucket = t.ranges.Of(Hash(run_ids[begin]), run_tables[begin]);
+  if (bucket < 0) return;  // runs of no range (the wrapper's padding): no ids
   if (begin > 0 && t.ranges.Of(Hash(run_ids[begin - 1]), run_tables[begin - 1]) == bucket) return;  // not its first run
 
   // The bucket's runs [begin, end), and whether any is new.

@@ -202,9 +202,9 @@ def _reset(tables, slots, rows):
 
 def _set_rows(flat: jax.Array, num_rows: int, slots: jax.Array, values: jax.Array) -> jax.Array:
     """``flat`` (a ``[num_rows * width]`` buffer) with rows ``slots`` set to ``values``
-    (``[N, width]``); slots out of range are skipped. The scatter addresses the flat buffer
-    itself: through a ``[num_rows, width]`` reshape XLA copied the whole table (twice)
-    instead of updating it in place."""
+    (``[N, width]``); slots out of range are skipped. One scatter of ``width``-long windows
+    on the flat buffer itself: through a ``[num_rows, width]`` reshape XLA copied the whole
+    table (twice) instead of updating it in place."""
     width = values.shape[1]
     if (num_rows + 1) * width < 2**31:
         index = jnp.int32
@@ -213,8 +213,10 @@ def _set_rows(flat: jax.Array, num_rows: int, slots: jax.Array, values: jax.Arra
     else:  # element offsets need int64: through the reshape, at the cost of the copies
         return flat.reshape(num_rows, width).at[slots].set(values, mode="drop").reshape(-1)
     slots = jnp.where((slots >= 0) & (slots < num_rows), slots, num_rows).astype(index)
-    cells = slots[:, None] * width + jnp.arange(width, dtype=index)[None, :]
-    return flat.at[cells.reshape(-1)].set(values.reshape(-1), mode="drop")
+    numbers = jax.lax.ScatterDimensionNumbers(update_window_dims=(1,), inserted_window_dims=(),
+                                              scatter_dims_to_operand_dims=(0,))
+    return jax.lax.scatter(flat, (slots * width)[:, None], values.astype(flat.dtype), numbers,
+                           mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
 
 
 def _reset_forward(tables, slots, rows):

@@ -220,11 +220,11 @@ def _find_or_insert(table, ids, step, valid, table_of, *, policy, ranges, backen
     run = jnp.cumsum(new_run, dtype=jnp.int32) - 1
     s_valid &= (s_table >= 0) & (s_table < len(ranges))  # an id of no range is no id
     counts = jnp.zeros((n,), jnp.int32).at[run].add(s_valid.astype(jnp.int32))
-    # The entries past the last run repeat the last one (count 0), so the runs stay in
-    # order to the end: each bucket's runs are consecutive.
+    # The entries past the last run belong to no range (count 0): the handlers skip them,
+    # and each bucket's runs stay consecutive.
     s_ids = ids[order]
-    run_ids = jnp.full((n,), s_ids[-1] if n else 0, ids.dtype).at[run].set(s_ids)
-    run_tables = jnp.full((n,), s_table[-1] if n else 0, jnp.int32).at[run].set(s_table)
+    run_ids = jnp.zeros((n,), ids.dtype).at[run].set(s_ids)
+    run_tables = jnp.full((n,), len(ranges), jnp.int32).at[run].set(s_table)
     bounds = jnp.asarray(ranges, jnp.int32).reshape(-1, 3)
 
     def kernel(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds):
