@@ -6,11 +6,12 @@
 //   allows) and compares keys only where a digest matches.
 // find_or_insert, on runs sorted by (range, hash) (so each bucket's runs are consecutive):
 //   1. a thread per run looks its id up; a found id refreshes its slot's score and seen.
-//   2. a warp per bucket (started at the bucket's first run) marks the slots its found
-//      runs hold, then gives its new runs, in order, the candidates of smallest rank
-//      (common/hash_table.h: CandidateRank), each chosen by a warp min-reduction over the
+//   2. a tile of 8 lanes per bucket (started at the bucket's first run) marks the slots
+//      its found runs hold, then gives its new runs, in order, the candidates of smallest
+//      rank (common/hash_table.h: CandidateRank), each chosen by a min-reduction over the
 //      bucket's slots, and writes them after all are chosen (ranks read the old state).
 // Deterministic: the same slots as the CPU handler and the jnp reference.
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -25,9 +26,12 @@ namespace {
 
 using namespace hash_table;  // NOLINT(build/namespaces): this file's own vocabulary
 
-constexpr int kWarpSize = 32;
-constexpr int kThreads = 256;
-constexpr int kWarpsPerBlock = 4;
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256;       // a thread per id / run
+constexpr int kTile = 8;            // lanes per bucket (PlaceNewRuns)
+constexpr int kPlaceThreads = 128;
+constexpr int kTilesPerBlock = kPlaceThreads / kTile;
 
 // The position of `id` in its bucket or -1; 16 digests a load when `size` is a multiple of 16.
 template <typename I>
@@ -107,25 +111,29 @@ __global__ void LookupRuns(Table t, const I* __restrict__ keys, const I* __restr
   t.seen[first + p] = *step;
 }
 
-__device__ __forceinline__ uint64_t WarpMin(uint64_t x) {
+template <typename Tile>
+__device__ __forceinline__ uint64_t TileMin(const Tile& tile, uint64_t x) {
 #pragma unroll
-  for (int s = kWarpSize / 2; s > 0; s /= 2) {
-    const uint64_t other = __shfl_xor_sync(0xffffffffu, x, s);
+  for (int s = Tile::num_threads() / 2; s > 0; s /= 2) {
+    const uint64_t other = tile.shfl_xor(x, s);
     x = other < x ? other : x;
   }
   return x;
 }
 
+// A tile of kTile lanes per bucket: a batch of new ids mostly puts one or two in a
+// bucket, so a whole warp per bucket left most lanes idle and took 4x the waves.
 template <typename I>
-__global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
+__global__ void __launch_bounds__(kPlaceThreads)
     PlaceNewRuns(Table t, I* __restrict__ keys, const I* __restrict__ run_ids,
                  const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts,
                  int64_t n, const int32_t* __restrict__ step, int32_t policy, int32_t* __restrict__ run_slots,
                  int32_t* __restrict__ status) {
-  __shared__ uint32_t hit_words[kWarpsPerBlock][kMaxBucketSize / kWarpSize];
-  const int lane = threadIdx.x % kWarpSize;
-  const int warp = threadIdx.x / kWarpSize;
-  const int64_t begin = blockIdx.x * int64_t{kWarpsPerBlock} + warp;
+  __shared__ uint32_t hit_words[kTilesPerBlock][kMaxBucketSize / 32];
+  const auto tile = cg::tiled_partition<kTile>(cg::this_thread_block());
+  const int lane = static_cast<int>(tile.thread_rank());
+  const int which = threadIdx.x / kTile;
+  const int64_t begin = blockIdx.x * int64_t{kTilesPerBlock} + which;
   if (begin >= n) return;
   const int64_t bucket = t.ranges.Of(Hash(run_ids[begin]), run_tables[begin]);
   if (bucket < 0) return;  // runs of no range (the wrapper's padding): no ids
@@ -134,30 +142,30 @@ __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
   // The bucket's runs [begin, end), and whether any is new.
   int64_t end = begin;
   bool any_new = false;
-  for (;; end += kWarpSize) {
+  for (;; end += kTile) {
     const int64_t r = end + lane;
     const bool in = r < n && t.ranges.Of(Hash(run_ids[r]), run_tables[r]) == bucket;
     any_new |= in && status[r] == kFailed;
-    const uint32_t inside = __ballot_sync(0xffffffffu, in);
-    if (inside != 0xffffffffu) {
+    const unsigned inside = tile.ballot(in);
+    if (inside != (1u << kTile) - 1) {
       end += __ffs(~inside) - 1;
       break;
     }
   }
-  if (!__any_sync(0xffffffffu, any_new)) return;
+  if (!tile.any(any_new)) return;
 
   const int size = t.size;
   const int64_t first = bucket * size;
-  uint32_t* hit = hit_words[warp];
-  for (int w = lane; w < kMaxBucketSize / kWarpSize; w += kWarpSize) hit[w] = 0;
-  __syncwarp();
-  for (int64_t r = begin + lane; r < end; r += kWarpSize) {
+  uint32_t* hit = hit_words[which];
+  for (int w = lane; w < kMaxBucketSize / 32; w += kTile) hit[w] = 0;
+  tile.sync();
+  for (int64_t r = begin + lane; r < end; r += kTile) {
     if (status[r] == kFound) {
       const int p = static_cast<int>(run_slots[r] - first);
-      atomicOr(&hit[p / kWarpSize], 1u << (p % kWarpSize));
+      atomicOr(&hit[p / 32], 1u << (p % 32));
     }
   }
-  __syncwarp();
+  tile.sync();
 
   // Choose: the k-th new run takes the candidate of k-th smallest rank.
   uint64_t last = 0;
@@ -165,12 +173,12 @@ __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
   for (int64_t r = begin; r < end; ++r) {
     if (status[r] != kFailed || counts[r] <= 0) continue;
     uint64_t best = kNotCandidate;
-    for (int p = lane; p < size; p += kWarpSize) {
-      const bool is_hit = (hit[p / kWarpSize] >> (p % kWarpSize)) & 1u;
+    for (int p = lane; p < size; p += kTile) {
+      const bool is_hit = (hit[p / 32] >> (p % 32)) & 1u;
       const uint64_t rank = CandidateRank(t.digests[first + p] == 0, is_hit, t.scores[first + p], p, policy);
       if ((first_pick || rank > last) && rank < best) best = rank;
     }
-    best = WarpMin(best);
+    best = TileMin(tile, best);
     if (best == kNotCandidate) break;  // the bucket is out of candidates: the rest fail
     last = best;
     first_pick = false;
@@ -180,10 +188,10 @@ __global__ void __launch_bounds__(kWarpSize * kWarpsPerBlock)
       status[r] = t.digests[first + p] == 0 ? kInserted : kInsertedEvicting;
     }
   }
-  __syncwarp();
+  tile.sync();
 
   // Write the placed runs.
-  for (int64_t r = begin + lane; r < end; r += kWarpSize) {
+  for (int64_t r = begin + lane; r < end; r += kTile) {
     if (status[r] != kInserted && status[r] != kInsertedEvicting) continue;
     const int64_t slot = run_slots[r];
     keys[slot] = run_ids[r];
@@ -251,7 +259,7 @@ ffi::Error HashInsertCuda(cudaStream_t stream, ffi::AnyBuffer keys_in, ffi::AnyB
     LookupRuns<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(t, keys->typed_data<I>(), run_ids.typed_data<I>(),
                                                                  tables, counts.typed_data<int32_t>(), n, step_ptr,
                                                                  policy, run_slots->typed_data(), status->typed_data());
-    PlaceNewRuns<I><<<Blocks(n, kWarpsPerBlock), kWarpSize * kWarpsPerBlock, 0, stream>>>(
+    PlaceNewRuns<I><<<Blocks(n, kTilesPerBlock), kPlaceThreads, 0, stream>>>(
         t, keys->typed_data<I>(), run_ids.typed_data<I>(), tables, counts.typed_data<int32_t>(), n, step_ptr,
         policy, run_slots->typed_data(), status->typed_data());
     const cudaError_t err = cudaGetLastError();

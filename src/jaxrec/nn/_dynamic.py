@@ -161,8 +161,7 @@ def slots_for_eval(index: DynamicIndex, configs, ids, valid, table_of=None, *, s
     state = index.get_value()
     slots = hash_table.find(state.table, _ids(ids, state), table_of=table_of, ranges=ranges(configs, shards))
     table_of = jnp.zeros(ids.shape, jnp.int32) if table_of is None else table_of
-    unknown = jnp.zeros((len(configs),), jnp.int32).at[table_of].add(
-        (valid & (slots < 0)).astype(jnp.int32), mode="drop")
+    unknown = hash_table.count_per_range(valid & (slots < 0), table_of, len(configs))
     index.set_value(state._replace(unknown=state.unknown + unknown.reshape(state.unknown.shape)))
     return jnp.where(valid, slots, -1)
 

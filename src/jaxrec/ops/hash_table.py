@@ -249,11 +249,18 @@ def _find_or_insert(table, ids, step, valid, table_of, *, policy, ranges, backen
     # the padding entries do not shift it.
     rank = jnp.cumsum(status != NOT_AN_ID, dtype=jnp.int32) - 1
     fresh = jnp.full((n,), table.capacity, jnp.int32).at[jnp.where(placed, rank, n)].set(run_slots, mode="drop")
-    tables = len(ranges)
-    info = InsertInfo(fresh, *(jnp.zeros((tables,), jnp.int32).at[run_tables].add(flag.astype(jnp.int32),
-                                                                                  mode="drop")
+    info = InsertInfo(fresh, *(count_per_range(flag, run_tables, len(ranges))
                                for flag in (placed, status == INSERTED_EVICTING, status == FAILED)))
     return slots, new, info
+
+
+def count_per_range(flag: jax.Array, table_of: jax.Array, count: int) -> jax.Array:
+    """``int32[count]``: how many entries of each range are flagged. A reduction: a
+    scatter-add into a few counters serialised a million atomics on the GPU."""
+    if count == 1:
+        return jnp.sum(flag & (table_of == 0), dtype=jnp.int32)[None]
+    return jnp.sum(flag[:, None] & (table_of[:, None] == jnp.arange(count, dtype=table_of.dtype)[None, :]),
+                   axis=0, dtype=jnp.int32)
 
 
 def _table_of(ids, table_of, count: int) -> jax.Array:

@@ -2,6 +2,7 @@
 
     jaxrec train                                     DLRM on the synthetic click log (CPU, < 2 min)
     jaxrec train --data criteo:train.txt --steps 20000 --checkpoint-dir ckpt
+    jaxrec train --data criteo:train.txt --vocab dynamic   each hex value its own id (_vocab.py)
     jaxrec train --data movielens:ml-100k --model mf --epochs 20
     jaxrec train --checkpoint-dir ckpt --resume      continue the newest checkpoint
 
