@@ -129,7 +129,7 @@ __global__ void __launch_bounds__(kPlaceThreads)
                  const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts,
                  int64_t n, const int32_t* __restrict__ step, int32_t policy, int32_t* __restrict__ run_slots,
                  int32_t* __restrict__ status) {
-  __shared__ uint32_t hit_words[kTilesPerBlock][kMaxBucketSize / 32];
+  __shared__ uint32_t hit_words[kTilesPerBlock][2][kMaxBucketSize / 32];  // hit, empty
   const auto tile = cg::tiled_partition<kTile>(cg::this_thread_block());
   const int lane = static_cast<int>(tile.thread_rank());
   const int which = threadIdx.x / kTile;
@@ -156,8 +156,9 @@ __global__ void __launch_bounds__(kPlaceThreads)
 
   const int size = t.size;
   const int64_t first = bucket * size;
-  uint32_t* hit = hit_words[which];
-  for (int w = lane; w < kMaxBucketSize / 32; w += kTile) hit[w] = 0;
+  uint32_t* hit = hit_words[which][0];
+  uint32_t* empty = hit_words[which][1];
+  for (int w = lane; w < kMaxBucketSize / 32; w += kTile) hit[w] = empty[w] = 0;
   tile.sync();
   for (int64_t r = begin + lane; r < end; r += kTile) {
     if (status[r] == kFound) {
@@ -165,21 +166,41 @@ __global__ void __launch_bounds__(kPlaceThreads)
       atomicOr(&hit[p / 32], 1u << (p % 32));
     }
   }
+  int empties = 0;
+  for (int p = lane; p < size; p += kTile) {
+    if (t.digests[first + p] == 0) {
+      atomicOr(&empty[p / 32], 1u << (p % 32));
+      ++empties;
+    }
+  }
+  for (int s = kTile / 2; s > 0; s /= 2) empties += tile.shfl_xor(empties, s);
   tile.sync();
 
-  // Choose: the k-th new run takes the candidate of k-th smallest rank.
+  // Choose: the k-th new run takes the candidate of k-th smallest rank. The empty slots
+  // rank first, by position: taken from the bitmask without reading a score; only new
+  // runs beyond them rank the evictable slots (CandidateRank) by a min-reduction.
   uint64_t last = 0;
   bool first_pick = true;
+  int taken = 0, word = 0;
+  uint32_t bits = empty[0];
   for (int64_t r = begin; r < end; ++r) {
     if (status[r] != kFailed || counts[r] <= 0) continue;
-    uint64_t best = kNotCandidate;
-    for (int p = lane; p < size; p += kTile) {
-      const bool is_hit = (hit[p / 32] >> (p % 32)) & 1u;
-      const uint64_t rank = CandidateRank(t.digests[first + p] == 0, is_hit, t.scores[first + p], p, policy);
-      if ((first_pick || rank > last) && rank < best) best = rank;
+    uint64_t best;
+    if (taken < empties) {  // the next empty slot by position (every lane finds the same)
+      while (bits == 0) bits = empty[++word];
+      best = static_cast<uint64_t>(32 * word + __ffs(bits) - 1);
+      bits &= bits - 1;
+      ++taken;
+    } else {
+      best = kNotCandidate;
+      for (int p = lane; p < size; p += kTile) {
+        const bool is_hit = (hit[p / 32] >> (p % 32)) & 1u;
+        const uint64_t rank = CandidateRank(t.digests[first + p] == 0, is_hit, t.scores[first + p], p, policy);
+        if ((first_pick || rank > last) && rank < best) best = rank;
+      }
+      best = TileMin(tile, best);
+      if (best == kNotCandidate) break;  // the bucket is out of candidates: the rest fail
     }
-    best = TileMin(tile, best);
-    if (best == kNotCandidate) break;  // the bucket is out of candidates: the rest fail
     last = best;
     first_pick = false;
     if (lane == 0) {
