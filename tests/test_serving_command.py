@@ -129,6 +129,9 @@ BAD_RUNS = {
                   r"--task ctr with --model dlrm or dcn"),
     "tt tables": (lambda t, tmp: _checkpoint(tmp / "c", _config(tt_ranks=(4, 4))),
                   r"TT-compressed its tables .*\(--tt-ranks 4,4\).*train without --tt-ranks"),
+    "dynamic tables": (lambda t, tmp: _checkpoint(tmp / "c", _config(vocab="dynamic")),
+                       r"trained dynamic-vocabulary tables \(--vocab dynamic\), which serving does not "
+                       r"support yet .*train with --vocab modulo to export the model"),
     "data gone": (lambda t, tmp: _checkpoint(tmp / "c", _config(data=f"criteo:{tmp / 'gone.tsv'}")),
                   r"the run's data 'criteo:.*gone.tsv' cannot be read .*run it where that path exists"),
     "corrupt": (_corrupt, r"checkpoint step=3 in .* is corrupt"),

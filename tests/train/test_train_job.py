@@ -107,6 +107,7 @@ def test_criteo_files_train(tmp_path, source):
     record = train(config)
     assert record["steps"] == 12 and 0.0 <= record["final"]["auc"] <= 1.0
     assert record["data"]["files"] == [str(path)]
+    assert record["dynamic_vocab"] is None  # the default, --vocab modulo: no dynamic tables
 
 
 def test_criteo_epochs_end_the_run(tmp_path):
