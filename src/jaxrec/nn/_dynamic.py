@@ -1,10 +1,10 @@
 """Dynamic-vocabulary tables in a collection (``EmbeddingBagConfig(dynamic=DynamicVocab())``).
 
-The dynamic tables of a collection that share a ``_configs.dynamic_group_key`` are one group: fused tables
-of ``num_embeddings`` rows (the slots) each, and one ``DynamicIndex`` variable holding
-their hash index (``jaxrec.ops.hash_table``: one bucket range per table, ``ranges``) and
-counters, so the whole group's ids are mapped by one call and looked up by one. A lookup
-maps the raw ids to slots first:
+The dynamic tables of a collection that share a ``_configs.dynamic_group_key`` are one
+group: fused tables of ``num_embeddings`` rows (the slots) each, and one ``DynamicIndex``
+variable holding their hash index (``jaxrec.ops.hash_table``: one bucket range per table,
+``ranges``) and counters, so the whole group's ids are mapped by one call and looked up
+by one. A lookup maps the raw ids to slots first:
 
 * training (the collection's ``deterministic`` False, flax's ``model.train()``):
   ``find_or_insert``; the slots given a new id get a freshly drawn row and zeroed
@@ -17,10 +17,10 @@ maps the raw ids to slots first:
   nothing (the group's lookup runs under bounds-check NONE, whose out-of-range ids add
   nothing: docs/bounds_check.md), and are counted.
 
-Fresh rows are drawn like the table's initial rows (its bounds or ``init_fn``), each from
-a key of the table's name, the fused step and the id alone (``fresh_rows``): a resumed run
-draws the same, and so does a table sharded over devices (``jaxrec.parallel``), whose
-devices see other batches of ids.
+Fresh rows are drawn like the table's initial rows (its bounds or ``init_fn``), from the
+table's name, the fused step and the id alone (``fresh_rows``): a resumed run draws the
+same, and so does a table sharded over devices (``jaxrec.parallel``), whose devices see
+other batches of ids.
 
 ``shards``: the index holds one of ``shards`` bucket ranges of each table (a device's part
 of a sharded table, ``hash_table.shard_of``), ``valid`` marking the ids of its ranges.

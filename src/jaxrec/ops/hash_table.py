@@ -22,6 +22,9 @@ that no id of this batch uses, by lowest (score, position). An id left without a
 so a lookup under ``bounds_check_mode="NONE"`` gives it no row and no update
 (docs/bounds_check.md).
 
+Several indices can share one array, each a bucket range (``Range``, with ``table_of``
+naming each id's): a collection's dynamic tables, or a device's parts of sharded ones.
+
 There is no sentinel key (an empty slot has digest 0), so every value of the ids' dtype
 (int32, or int64 with ``jax_enable_x64``) is a key. Deterministic: the same table and
 batch give the same slots on every backend. Three implementations: XLA FFI handlers (C++
