@@ -29,7 +29,7 @@ def fmix(i: int, bits: int) -> int:
 
 
 def fresh_row(name: str, step: int, i: int, bits: int, dim: int, low: float, high: float) -> np.ndarray:
-    """A dynamic table's new row for id ``i`` (jaxrec.nn._dynamic.fresh_rows, default init):
+    """A dynamic table's new row for id ``i`` (jaxrec.nn.dynamic.fresh_rows, default init):
     uniform in [low, high) from fmix32 of (crc32 of the name, step, the id's words, column)."""
     h = fmix(zlib.crc32(name.encode()) ^ fmix(step, 32), 32)
     words = [i & M32] if bits == 32 else [i & M32, (i >> 32) & M32]

@@ -179,7 +179,7 @@ def test_a_new_rows_draw_depends_on_the_table_step_and_id_only(init_fn):
     """The same id gets the same row wherever it sits in the batch (so a sharded table draws
     what the whole table draws), another id or step another row; default rows lie in the
     table's bounds and look uniform."""
-    from jaxrec.nn._dynamic import fresh_rows
+    from jaxrec.nn.dynamic import fresh_rows
 
     fn = None if init_fn is None else (lambda key, shape, dtype: jax.random.normal(key, shape, dtype))
     config = EmbeddingBagConfig(name="t", num_embeddings=128, embedding_dim=64, feature_names=["f"],

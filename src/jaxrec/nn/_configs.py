@@ -223,7 +223,7 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
         p = pooling if pooling is not None else t.pooling
         if getattr(t, "tt", None) is not None:  # TT tables: a group each
             key = ("tt", t.name)
-        elif getattr(t, "dynamic", None) is not None:  # one index per group (nn/_dynamic.py)
+        elif getattr(t, "dynamic", None) is not None:  # one index per group (nn/dynamic.py)
             key = ("dynamic", p, t.dtype, *dynamic_group_key(t))
         else:
             key = (p, t.dtype)
@@ -243,7 +243,7 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
 
 def dynamic_group_key(config) -> tuple:
     """What dynamic tables must share to be one group (one index, one lookup,
-    nn/_dynamic.py): the index's bucket size and policy, and the row width (a new id's row
+    nn/dynamic.py): the index's bucket size and policy, and the row width (a new id's row
     is reset at ``row * width``); a table with its own ``init_fn`` draws its rows alone."""
     return (config.dynamic.bucket_size, config.dynamic.eviction, config.embedding_dim,
             config.name if config.init_fn is not None else None)

@@ -25,7 +25,7 @@ from jaxrec._mesh import to_host
 from jaxrec.fused import FusedEmbeddingTables, fused_lookup
 from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
-from jaxrec.nn._dynamic import (
+from jaxrec.nn.dynamic import (
     DynamicIndex,
     IndexState,
     group_index,

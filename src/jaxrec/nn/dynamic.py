@@ -1,4 +1,7 @@
-"""Dynamic-vocabulary tables in a collection (``EmbeddingBagConfig(dynamic=DynamicVocab())``).
+"""Dynamic-vocabulary tables in a collection (``EmbeddingBagConfig(dynamic=DynamicVocab())``):
+their index and how a lookup maps raw ids to rows, shared by the unsharded collections
+and ``jaxrec.parallel``'s sharded one (a public module for that reason; users meet it
+through the collections).
 
 The dynamic tables of a collection that share a ``_configs.dynamic_group_key`` are one
 group: fused tables of ``num_embeddings`` rows (the slots) each, and one ``DynamicIndex``

@@ -13,7 +13,7 @@ table is the unsharded one, cut in blocks::
 
 Every device sees every device's ids (the row-wise path's ``all_gather``), maps the ids it
 owns with its index part (training: ``find_or_insert`` with the fused step, fresh rows drawn
-per id as the unsharded table draws them, ``jaxrec.nn._dynamic.fresh_rows``; evaluation:
+per id as the unsharded table draws them, ``jaxrec.nn.dynamic.fresh_rows``; evaluation:
 ``find``) and gives ``_dist.group_input`` their global slots in place of the ids. The
 device's row range ``[d * R, (d + 1) * R)`` then keeps them as for any row-wise table; the
 ids it does not own, and refused or unknown ones (-1), fall outside it. Pooled partial
@@ -36,7 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec._mesh import to_host
-from jaxrec.nn._dynamic import IndexState, new_index, slots_for_eval, slots_for_training
+from jaxrec.nn.dynamic import IndexState, new_index, slots_for_eval, slots_for_training
 from jaxrec.ops import hash_table
 from jaxrec.parallel._dist import Ids
 

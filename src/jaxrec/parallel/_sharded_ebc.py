@@ -44,7 +44,7 @@ from jaxrec import _step_guard
 from jaxrec._mesh import on_mesh, replicate, to_host
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
-from jaxrec.nn._dynamic import DynamicIndex, statistics
+from jaxrec.nn.dynamic import DynamicIndex, statistics
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, hash_table
 from jaxrec.ops.bounds_check import as_bounds_check_mode
 from jaxrec.ops.tbe_kjt import features_in_order, require_features
