@@ -25,6 +25,9 @@ from jaxrec._mesh import to_host
 from jaxrec.fused import FusedEmbeddingTables, fused_lookup
 from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
+from jaxrec.nn._fused_variable import FusedTables
+from jaxrec.nn._memory import check_fits
+from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.nn.dynamic import (
     DynamicIndex,
     IndexState,
@@ -35,9 +38,6 @@ from jaxrec.nn.dynamic import (
     statistics,
     table_index,
 )
-from jaxrec.nn._fused_variable import FusedTables
-from jaxrec.nn._memory import check_fits
-from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup, hash_table, tbe_layout
 from jaxrec.ops.tbe_kjt import (
     bag_offsets,

@@ -31,11 +31,10 @@ EVICTION = "lru"
 
 def dynamic_slots(rows: int) -> tuple[int, int]:
     """``(slots, bucket_size)`` of the dynamic table that replaces a table of ``rows``:
-    the rows rounded down to whole buckets of ``BUCKET`` (at most 127 fewer, so never more
-    memory than the modulo table), or one bucket of ``rows`` slots below ``BUCKET``."""
-    if rows < BUCKET:
-        return rows, rows
-    return rows - rows % BUCKET, BUCKET
+    the rows rounded down to whole buckets of ``BUCKET`` (at most 127 fewer), or one bucket
+    of ``BUCKET`` slots below it (a few KB more), so that every table has one bucket size
+    and the 26 share one lookup group (``jaxrec.nn.dynamic``: a group per bucket size)."""
+    return max(BUCKET, rows - rows % BUCKET), BUCKET
 
 
 def dynamic_vocab(config: TrainConfig, rows: int) -> DynamicVocab | None:
