@@ -96,7 +96,8 @@ JAXREC_HOST_DEVICE uint64_t CandidateRank(bool empty, bool hit, int32_t score, i
 
 // A new id's score: its step (LRU, and "none") or its count in the batch (LFU); a held
 // id's: the step, or its old count plus the batch's.
-JAXREC_HOST_DEVICE int32_t NewScore(int32_t policy, int32_t old_score, bool found, int32_t count, int32_t step) {
+JAXREC_HOST_DEVICE int32_t NewScore(int32_t policy, int32_t old_score, bool found, int32_t count,
+                                    int32_t step) {
   if (policy != kLfu) return step;
   return (found ? old_score : 0) + count;
 }
@@ -105,18 +106,20 @@ JAXREC_HOST_DEVICE int32_t NewScore(int32_t policy, int32_t old_score, bool foun
 // their ranges (table_of s32 like the ids) and of the bounds (s32[T, 3]; their values are
 // the Python wrapper's, checked there).
 inline ffi::Error CheckTable(std::string_view op, const ffi::AnyBuffer& keys, const ffi::AnyBuffer& digests,
-                             const ffi::AnyBuffer* scores, const ffi::AnyBuffer* seen, const ffi::AnyBuffer& ids,
-                             const ffi::AnyBuffer& table_of, const ffi::AnyBuffer& bounds) {
+                             const ffi::AnyBuffer* scores, const ffi::AnyBuffer* seen,
+                             const ffi::AnyBuffer& ids, const ffi::AnyBuffer& table_of,
+                             const ffi::AnyBuffer& bounds) {
   const auto dims = keys.dimensions();
   if (dims.size() != 2 || dims[0] < 1 || dims[1] < 1 || dims[1] > kMaxBucketSize) {
     return Invalid(op, "keys must be [num_buckets >= 1, bucket_size] with bucket_size in [1, " +
                            std::to_string(kMaxBucketSize) + "], got " + ShapeString(dims));
   }
   if (!IsIndexType(keys.element_type()) || ids.element_type() != keys.element_type()) {
-    return Invalid(op, "keys and ids must be both int32 or both int64, got " + DtypeName(keys.element_type()) +
-                           " and " + DtypeName(ids.element_type()));
+    return Invalid(op, "keys and ids must be both int32 or both int64, got " +
+                           DtypeName(keys.element_type()) + " and " + DtypeName(ids.element_type()));
   }
-  if (ids.dimensions().size() != 1) return Invalid(op, "ids must be 1-D, got " + ShapeString(ids.dimensions()));
+  if (ids.dimensions().size() != 1)
+    return Invalid(op, "ids must be 1-D, got " + ShapeString(ids.dimensions()));
   if (table_of.element_type() != ffi::DataType::S32 || table_of.element_count() != ids.element_count()) {
     return Invalid(op, "table_of must be int32 like the ids, [" + std::to_string(ids.element_count()) + "]");
   }
@@ -140,10 +143,11 @@ inline ffi::Error CheckTable(std::string_view op, const ffi::AnyBuffer& keys, co
 
 // The operands of find_or_insert besides the table: counts s32[N] like the run ids, a
 // step s32 scalar, the policy.
-inline ffi::Error CheckInsert(std::string_view op, const ffi::AnyBuffer& run_ids, const ffi::AnyBuffer& counts,
-                              const ffi::AnyBuffer& step, int32_t policy) {
+inline ffi::Error CheckInsert(std::string_view op, const ffi::AnyBuffer& run_ids,
+                              const ffi::AnyBuffer& counts, const ffi::AnyBuffer& step, int32_t policy) {
   if (counts.element_type() != ffi::DataType::S32 || counts.element_count() != run_ids.element_count()) {
-    return Invalid(op, "counts must be int32 like the run ids, [" + std::to_string(run_ids.element_count()) + "]");
+    return Invalid(
+        op, "counts must be int32 like the run ids, [" + std::to_string(run_ids.element_count()) + "]");
   }
   if (step.element_type() != ffi::DataType::S32 || step.element_count() != 1) {
     return Invalid(op, "step must be an int32 scalar");

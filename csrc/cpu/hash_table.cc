@@ -12,6 +12,8 @@
 // The runs of one bucket are consecutive; each bucket is placed by one item of the thread
 // pool (its lookups, then its new ids in order), so the result does not depend on the
 // thread count.
+#include "common/hash_table.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -19,7 +21,6 @@
 #include <vector>
 
 #include "common/ffi_util.h"
-#include "common/hash_table.h"
 #include "cpu/tbe_cpu_util.h"
 
 namespace jaxrec {
@@ -31,8 +32,8 @@ using namespace hash_table;  // NOLINT(build/namespaces): this file's own vocabu
 constexpr int64_t kIdsPerItem = 1 << 14;
 
 template <typename I>
-void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, Ranges ranges, int size,
-          const I* ids, const int32_t* table_of, int64_t n, int32_t* slots) {
+void Find(ffi::ThreadPool& pool, const I* keys, const uint8_t* digests, Ranges ranges, int size, const I* ids,
+          const int32_t* table_of, int64_t n, int32_t* slots) {
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {
     for (int64_t i = item * kIdsPerItem, end = std::min(n, (item + 1) * kIdsPerItem); i < end; ++i) {
       const auto h = Hash(ids[i]);
@@ -107,7 +108,8 @@ void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, cons
 
 template <typename I>
 void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, const int32_t* run_tables,
-            const int32_t* counts, int64_t n, int32_t step, int32_t policy, int32_t* run_slots, int32_t* status) {
+            const int32_t* counts, int64_t n, int32_t step, int32_t policy, int32_t* run_slots,
+            int32_t* status) {
   auto bucket = [&](int64_t r) { return t.ranges.Of(Hash(run_ids[r]), run_tables[r]); };
   // An item places the buckets whose first run lies in its share of the runs.
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {
@@ -135,7 +137,8 @@ void CopyUnlessAliased(const ffi::AnyBuffer& from, ffi::AnyBuffer& to) {
 }
 
 ffi::Error HashFindCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys, ffi::AnyBuffer digests, ffi::AnyBuffer ids,
-                       ffi::AnyBuffer table_of, ffi::AnyBuffer bounds, ffi::Result<ffi::Buffer<ffi::S32>> slots) {
+                       ffi::AnyBuffer table_of, ffi::AnyBuffer bounds,
+                       ffi::Result<ffi::Buffer<ffi::S32>> slots) {
   if (ffi::Error e = CheckTable("jaxrec_hash_find", keys, digests, nullptr, nullptr, ids, table_of, bounds);
       e.failure()) {
     return e;
@@ -170,14 +173,12 @@ ffi::Error HashInsertCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys_in, ffi::AnyB
   const auto dims = keys_in.dimensions();
   const Ranges ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])};
   const Table t{ranges, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
-                scores->typed_data<int32_t>(),
-                seen->typed_data<int32_t>()};
+                scores->typed_data<int32_t>(), seen->typed_data<int32_t>()};
   return DispatchIndexType(keys_in.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
     Insert<I>(pool, t, keys->typed_data<I>(), run_ids.typed_data<I>(), run_tables.typed_data<int32_t>(),
-              counts.typed_data<int32_t>(),
-              run_ids.element_count(), step.typed_data<int32_t>()[0], policy, run_slots->typed_data(),
-              status->typed_data());
+              counts.typed_data<int32_t>(), run_ids.element_count(), step.typed_data<int32_t>()[0], policy,
+              run_slots->typed_data(), status->typed_data());
     return ffi::Error::Success();
   });
 }

@@ -28,14 +28,15 @@ using namespace hash_table;  // NOLINT(build/namespaces): this file's own vocabu
 
 namespace cg = cooperative_groups;
 
-constexpr int kThreads = 256;       // a thread per id / run
-constexpr int kTile = 8;            // lanes per bucket (PlaceNewRuns)
+constexpr int kThreads = 256;  // a thread per id / run
+constexpr int kTile = 8;       // lanes per bucket (PlaceNewRuns)
 constexpr int kPlaceThreads = 128;
 constexpr int kTilesPerBlock = kPlaceThreads / kTile;
 
 // The position of `id` in its bucket or -1; 16 digests a load when `size` is a multiple of 16.
 template <typename I>
-__device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, int size, uint8_t digest, I id) {
+__device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, int size, uint8_t digest,
+                                        I id) {
   if (size % 16 != 0) return FindInBucket(keys, digests, size, digest, id);
   const uint32_t pattern = 0x01010101u * digest;
   for (int base = 0; base < size; base += 16) {
@@ -57,8 +58,8 @@ __device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, i
 
 template <typename I>
 __global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict__ digests, Ranges ranges,
-                           int size, const I* __restrict__ ids, const int32_t* __restrict__ table_of, int64_t n,
-                           int32_t* __restrict__ slots) {
+                           int size, const I* __restrict__ ids, const int32_t* __restrict__ table_of,
+                           int64_t n, int32_t* __restrict__ slots) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= n) return;
   const I id = ids[i];
@@ -83,8 +84,9 @@ struct Table {
 
 template <typename I>
 __global__ void LookupRuns(Table t, const I* __restrict__ keys, const I* __restrict__ run_ids,
-                           const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts, int64_t n, const int32_t* __restrict__ step,
-                           int32_t policy, int32_t* __restrict__ run_slots, int32_t* __restrict__ status) {
+                           const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts,
+                           int64_t n, const int32_t* __restrict__ step, int32_t policy,
+                           int32_t* __restrict__ run_slots, int32_t* __restrict__ status) {
   const int64_t r = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (r >= n) return;
   run_slots[r] = -1;
@@ -126,8 +128,8 @@ __device__ __forceinline__ uint64_t TileMin(const Tile& tile, uint64_t x) {
 template <typename I>
 __global__ void __launch_bounds__(kPlaceThreads)
     PlaceNewRuns(Table t, I* __restrict__ keys, const I* __restrict__ run_ids,
-                 const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts,
-                 int64_t n, const int32_t* __restrict__ step, int32_t policy, int32_t* __restrict__ run_slots,
+                 const int32_t* __restrict__ run_tables, const int32_t* __restrict__ counts, int64_t n,
+                 const int32_t* __restrict__ step, int32_t policy, int32_t* __restrict__ run_slots,
                  int32_t* __restrict__ status) {
   __shared__ uint32_t hit_words[kTilesPerBlock][2][kMaxBucketSize / 32];  // hit, empty
   const auto tile = cg::tiled_partition<kTile>(cg::this_thread_block());
@@ -137,7 +139,8 @@ __global__ void __launch_bounds__(kPlaceThreads)
   if (begin >= n) return;
   const int64_t bucket = t.ranges.Of(Hash(run_ids[begin]), run_tables[begin]);
   if (bucket < 0) return;  // runs of no range (the wrapper's padding): no ids
-  if (begin > 0 && t.ranges.Of(Hash(run_ids[begin - 1]), run_tables[begin - 1]) == bucket) return;  // not its first run
+  if (begin > 0 && t.ranges.Of(Hash(run_ids[begin - 1]), run_tables[begin - 1]) == bucket)
+    return;  // not its first run
 
   // The bucket's runs [begin, end), and whether any is new.
   int64_t end = begin;
@@ -195,7 +198,8 @@ __global__ void __launch_bounds__(kPlaceThreads)
       best = kNotCandidate;
       for (int p = lane; p < size; p += kTile) {
         const bool is_hit = (hit[p / 32] >> (p % 32)) & 1u;
-        const uint64_t rank = CandidateRank(t.digests[first + p] == 0, is_hit, t.scores[first + p], p, policy);
+        const uint64_t rank =
+            CandidateRank(t.digests[first + p] == 0, is_hit, t.scores[first + p], p, policy);
         if ((first_pick || rank > last) && rank < best) best = rank;
       }
       best = TileMin(tile, best);
@@ -226,20 +230,26 @@ ffi::Error CudaError(cudaError_t err, const char* op) {
   return ffi::Error::Internal(std::string(op) + ": " + cudaGetErrorString(err));
 }
 
-unsigned Blocks(int64_t items, int64_t per_block) { return static_cast<unsigned>((items + per_block - 1) / per_block); }
+unsigned Blocks(int64_t items, int64_t per_block) {
+  return static_cast<unsigned>((items + per_block - 1) / per_block);
+}
 
 ffi::Error HashFindCuda(cudaStream_t stream, ffi::AnyBuffer keys, ffi::AnyBuffer digests, ffi::AnyBuffer ids,
-                        ffi::AnyBuffer table_of, ffi::AnyBuffer bounds, ffi::Result<ffi::Buffer<ffi::S32>> slots) {
+                        ffi::AnyBuffer table_of, ffi::AnyBuffer bounds,
+                        ffi::Result<ffi::Buffer<ffi::S32>> slots) {
   constexpr const char* kOp = "jaxrec_hash_find";
-  if (ffi::Error e = CheckTable(kOp, keys, digests, nullptr, nullptr, ids, table_of, bounds); e.failure()) return e;
+  if (ffi::Error e = CheckTable(kOp, keys, digests, nullptr, nullptr, ids, table_of, bounds); e.failure())
+    return e;
   const int64_t n = ids.element_count();
   if (n == 0) return ffi::Error::Success();
   const auto dims = keys.dimensions();
   return DispatchIndexType(keys.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
-    FindKernel<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(keys.typed_data<I>(), digests.typed_data<uint8_t>(),
+    FindKernel<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(
+        keys.typed_data<I>(), digests.typed_data<uint8_t>(),
         Ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])},
-        static_cast<int>(dims[1]), ids.typed_data<I>(), table_of.typed_data<int32_t>(), n, slots->typed_data());
+        static_cast<int>(dims[1]), ids.typed_data<I>(), table_of.typed_data<int32_t>(), n,
+        slots->typed_data());
     const cudaError_t err = cudaGetLastError();
     return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, kOp);
   });
@@ -271,15 +281,14 @@ ffi::Error HashInsertCuda(cudaStream_t stream, ffi::AnyBuffer keys_in, ffi::AnyB
   const auto dims = keys_in.dimensions();
   const Ranges ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])};
   const Table t{ranges, static_cast<int>(dims[1]), digests->typed_data<uint8_t>(),
-                scores->typed_data<int32_t>(),
-                seen->typed_data<int32_t>()};
+                scores->typed_data<int32_t>(), seen->typed_data<int32_t>()};
   return DispatchIndexType(keys_in.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
     const int32_t* step_ptr = step.typed_data<int32_t>();
     const int32_t* tables = run_tables.typed_data<int32_t>();
-    LookupRuns<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(t, keys->typed_data<I>(), run_ids.typed_data<I>(),
-                                                                 tables, counts.typed_data<int32_t>(), n, step_ptr,
-                                                                 policy, run_slots->typed_data(), status->typed_data());
+    LookupRuns<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(
+        t, keys->typed_data<I>(), run_ids.typed_data<I>(), tables, counts.typed_data<int32_t>(), n, step_ptr,
+        policy, run_slots->typed_data(), status->typed_data());
     PlaceNewRuns<I><<<Blocks(n, kTilesPerBlock), kPlaceThreads, 0, stream>>>(
         t, keys->typed_data<I>(), run_ids.typed_data<I>(), tables, counts.typed_data<int32_t>(), n, step_ptr,
         policy, run_slots->typed_data(), status->typed_data());
