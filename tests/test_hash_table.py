@@ -138,6 +138,7 @@ def test_a_table_split_into_bucket_ranges_places_ids_as_the_whole_table(platform
     shards, num_buckets, size, n = 3, 9, 4, 24
     whole = ht.create(num_buckets * size, bucket_size=size)
     parts = [ht.create(num_buckets * size // shards, bucket_size=size) for _ in range(shards)]
+    part = (ht.Range(0, num_buckets // shards, num_buckets),)  # a third of a 9-bucket table
     universe = rng.integers(-2**31, 2**31, 90).astype(np.int32)
     for step in range(10):
         ids = rng.choice(universe[: 20 + 7 * step], size=n).astype(np.int32)
@@ -149,11 +150,11 @@ def test_a_table_split_into_bucket_ranges_places_ids_as_the_whole_table(platform
         for d in range(shards):
             mine = valid & (owner == d)
             local, parts[d], _ = ht.find_or_insert(parts[d], jnp.asarray(ids), step, valid=jnp.asarray(mine),
-                                                   shards=shards, backend=backend)
+                                                   ranges=part, backend=backend)
             local = np.asarray(local)
             want[mine] = np.where(local[mine] >= 0, local[mine] + d * whole.capacity // shards, -1)
             np.testing.assert_array_equal(
-                np.asarray(ht.find(parts[d], jnp.asarray(ids[mine]), shards=shards, backend=backend)), local[mine])
+                np.asarray(ht.find(parts[d], jnp.asarray(ids[mine]), ranges=part, backend=backend)), local[mine])
         np.testing.assert_array_equal(np.asarray(slots), want, err_msg=f"step {step}")
         for field in ht.HashTable._fields:
             np.testing.assert_array_equal(np.concatenate([np.asarray(getattr(p, field)) for p in parts]),

@@ -126,11 +126,11 @@ class Range(NamedTuple):
     total: int
 
 
-def ranges_of(table: HashTable, ranges=None, shards: int = 1) -> tuple[Range, ...]:
-    """``ranges`` checked, or the one range of the whole table (a ``1 / shards`` part)."""
+def ranges_of(table: HashTable, ranges=None) -> tuple[Range, ...]:
+    """``ranges`` checked, or the one range of the whole table."""
     num_buckets = table.keys.shape[0]
     if ranges is None:
-        return (Range(0, num_buckets, num_buckets * shards),)
+        return (Range(0, num_buckets, num_buckets),)
     ranges = tuple(Range(*map(int, r)) for r in ranges)
     end = 0
     for r in ranges:
@@ -156,17 +156,16 @@ def shard_of(ids: jax.Array, num_buckets: int, shards: int) -> jax.Array:
 
 
 def find(table: HashTable, ids: jax.Array, *, table_of: jax.Array | None = None, ranges=None,
-         shards: int = 1, backend: str = "auto") -> jax.Array:
+         backend: str = "auto") -> jax.Array:
     """``int32`` slot of each id, -1 where the table does not hold it.
 
     ``ranges`` (``Range`` per table, default: the whole table) and ``table_of`` (``int32[N]``,
-    each id's range, default 0): the table holds several indices, one per range; an id
-    whose ``table_of`` is no range's gets -1.
-    ``shards``: the table (one range) is one of ``shards`` bucket ranges of a larger table,
-    and ``ids`` are the ids of its range (``shard_of``). backend: "auto", "kernel" or
-    "reference" (``jaxrec._ffi.dispatch``)."""
+    each id's range, default 0): the table holds several indices, one per range (or parts
+    of larger tables, whose ids must be those of the part: ``shard_of``); an id whose
+    ``table_of`` is no range's gets -1. backend: "auto", "kernel" or "reference"
+    (``jaxrec._ffi.dispatch``)."""
     ids = _check(table, ids)
-    ranges = ranges_of(table, ranges, shards)
+    ranges = ranges_of(table, ranges)
     table_of = _table_of(ids, table_of, len(ranges))
     return _find(table.keys, table.digests, ids, table_of, ranges=ranges, backend=backend)
 
@@ -189,18 +188,18 @@ def _find(keys, digests, ids, table_of, *, ranges, backend):
 
 def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru",
                    valid: jax.Array | None = None, table_of: jax.Array | None = None, ranges=None,
-                   shards: int = 1, backend: str = "auto") -> tuple[jax.Array, HashTable, InsertInfo]:
+                   backend: str = "auto") -> tuple[jax.Array, HashTable, InsertInfo]:
     """``(slots, table, info)``: every id's slot, inserting new ids (module doc).
 
     ``step``: the training step (LRU's score). ``valid``: ``bool[N]``, False for entries
     that are not ids (a KJT's padding): they get slot -1 and change nothing. ``table_of``,
-    ``ranges``, ``shards``: as for ``find`` (the valid ids must be those of the table's
-    ranges). backend: "auto", "kernel" or "reference" (``jaxrec._ffi.dispatch``).
+    ``ranges``: as for ``find``. backend: "auto", "kernel" or "reference"
+    (``jaxrec._ffi.dispatch``).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     ids = _check(table, ids)
-    ranges = ranges_of(table, ranges, shards)
+    ranges = ranges_of(table, ranges)
     table_of = _table_of(ids, table_of, len(ranges))
     valid = jnp.ones(ids.shape, bool) if valid is None else jnp.asarray(valid, bool)
     return _find_or_insert(table, ids, jnp.asarray(step, jnp.int32), valid, table_of, policy=policy,

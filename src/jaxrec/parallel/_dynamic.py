@@ -3,8 +3,8 @@
 A dynamic table of ``num_embeddings`` slots (``num_buckets`` buckets of S) is ROW_WISE in
 D equal blocks, one per device in order. Block d is the slots of buckets
 ``[d * num_buckets / D, (d + 1) * num_buckets / D)``, and device d's part of the hash index
-(``hash_table.find_or_insert(..., shards=D)``) places every id of its range where the whole
-table places it: at slot ``d * capacity / D + s`` (tests/test_hash_table.py). The sharded
+(its range ``Range(0, nb / D, nb)``, ``hash_table.find_or_insert``) places every id of its
+range where the whole table places it: at slot ``d * capacity / D + s`` (tests/test_hash_table.py). The sharded
 table is the unsharded one, cut in blocks::
 
     # capacity 16, bucket_size 2 (8 buckets), 4 devices: R = 4 rows per device
