@@ -160,6 +160,8 @@ def test_bad_dynamic_tables_are_refused_with_the_fix():
                            dynamic=DynamicVocab(bucket_size=4))
     with pytest.raises(ValueError, match="eviction must be one of"):
         DynamicVocab(eviction="random")
+    with pytest.raises(ValueError, match=r"bucket_size must be an int in \[1, 1024\], got 2048"):
+        DynamicVocab(bucket_size=2048)
     with pytest.raises(ValueError, match="either TT or dynamic"):
         EmbeddingBagConfig(name="t", num_embeddings=128, embedding_dim=4, feature_names=["f"],
                            dynamic=DynamicVocab(), tt=TTConfig(tt_ranks=(2,)))

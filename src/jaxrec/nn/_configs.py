@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec.ops import WEIGHT_DISTS, PoolingMode, TableLayout, TTLayout
+from jaxrec.ops.hash_table import MAX_BUCKET_SIZE
 from jaxrec.ops.hash_table import POLICIES as EVICTIONS
 from jaxrec.ops.tbe_layout import as_pooling_mode
 from jaxrec.optim import OptimizerConfig
@@ -129,13 +130,14 @@ class DynamicVocab:
     """``"lru"`` (last step seen), ``"lfu"`` (times seen) or ``"none"`` (a full bucket
     refuses new ids: they look up nothing)."""
     bucket_size: int = 128
-    """Slots per bucket; ``num_embeddings`` must be a multiple of it."""
+    """Slots per bucket (at most 1024); ``num_embeddings`` must be a multiple of it."""
 
     def __post_init__(self):
         if self.eviction not in EVICTIONS:
             raise ValueError(f"eviction must be one of {EVICTIONS}, got {self.eviction!r}")
-        if isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int) or self.bucket_size < 1:
-            raise ValueError(f"bucket_size must be an int >= 1, got {self.bucket_size!r}")
+        if (isinstance(self.bucket_size, bool) or not isinstance(self.bucket_size, int)
+                or not 1 <= self.bucket_size <= MAX_BUCKET_SIZE):
+            raise ValueError(f"bucket_size must be an int in [1, {MAX_BUCKET_SIZE}], got {self.bucket_size!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
