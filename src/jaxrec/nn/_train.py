@@ -16,8 +16,9 @@ The optimizer is Flax's own ``nnx.Optimizer``: with ``wrt=nnx.Param`` it trains 
 parameters by optax, and the ``FusedTables`` (not ``Param`` s) train themselves inside the
 backward. The step splits the model into its ``wrt`` parameters, its fused tables and the
 rest (e.g. RNG counters, carried through) and runs ``jaxrec.fused.guarded_update`` on them:
-one jitted function that donates parameters, optax state and tables, so every table and
-slot is updated in the buffer it already occupies. Plain tables (``nnx.Param``) go
+one jitted function that donates parameters, optax state, tables and the rest, so every
+table, slot and index (a dynamic table's, updated in place by its handler) stays in the
+buffer it already occupies. Plain tables (``nnx.Param``) go
 through the same step: optax trains them from dense gradients.
 
 **Sharded models** (``jaxrec.parallel.shard``) take the same step: when the model's
@@ -176,7 +177,7 @@ class TrainStep:
             out_specs = (*state_specs[:4], P(), P(axis), P(), P())
             body = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                  check_vma=False)
-        return jax.jit(body, donate_argnums=(0, 1, 2) if self._donate else ()), messages
+        return jax.jit(body, donate_argnums=(0, 1, 2, 3) if self._donate else ()), messages
 
     def check(self) -> None:
         self._monitor.check()
