@@ -14,7 +14,8 @@
 - ``TTEmbeddingBag``: FBTT's tensor-train compressed embedding bag; inside a collection,
   a table becomes TT with ``EmbeddingBagConfig(tt=TTConfig(...))``.
 - ``DynamicVocab``: ``EmbeddingBagConfig(dynamic=DynamicVocab())`` takes raw ids, each
-  given its own row by a hash table (docs/dynamic_vocab.md).
+  given its own row by a hash table (docs/dynamic_vocab.md); ``jaxrec.nn.dynamic`` holds
+  the tables' index and lookups, which ``jaxrec.parallel`` shares.
 - ``MLP``, ``LowRankCrossNet``: the dense building blocks of DLRM and DCN.
 
 Linen users: wrap a module with ``flax.nnx.bridge.to_linen`` (docs/nn.md).
