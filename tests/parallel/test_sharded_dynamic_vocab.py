@@ -180,3 +180,26 @@ def test_plans_that_a_dynamic_table_cannot_take_are_refused():
                                           mesh(), optimizer=RowWiseAdagrad(learning_rate=0.1), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="give the collection a fused optimizer"):
         par.ShardedEmbeddingBagCollection(tables(), plan(), mesh(), rngs=nnx.Rngs(0))
+
+
+def test_sharding_a_trained_model_carries_each_dynamic_tables_index():
+    """An unsharded collection whose two dynamic tables share one index (one group): sharded
+    after training, each table's index is its own part of the group's, slot for slot."""
+    configs = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=SLOTS, embedding_dim=DIM, feature_names=[k],
+                                  dynamic=DynamicVocab(bucket_size=BUCKET)) for k in ("user", "last_user")]
+    model = Model(EmbeddingBagCollection(configs, optimizer=RowWiseAdagrad(learning_rate=0.3), rngs=nnx.Rngs(0)))
+    assert len(model.ebc.groups) == 1
+    opt = nnx.Optimizer(model, optax.sgd(0.0), wrt=nnx.Param)
+    step = make_train_step(lambda m, k, t: loss_fn(m, k, t, N * B))
+    rng = np.random.default_rng(2)
+    for _ in range(2):
+        kjt, target = batch(rng, POOL)
+        step(model, opt, KeyedJaggedTensor(KEYS[1:], kjt.values()[kjt.lengths()[:N * B].sum():],
+                                           lengths=kjt.lengths()[N * B:]), target)
+    want = model.ebc.portable_tables()
+    plan = par.EmbeddingShardingPlanner(par.Topology(world_size=N, hbm_cap=1 << 30)).plan(configs)
+    sharded = par.shard(model, plan, mesh()).ebc.portable_tables()
+    for name in ("t_user", "t_last_user"):
+        assert (want[name]["index"]["digests"] != 0).sum() > 0
+        for field, value in want[name]["index"].items():
+            np.testing.assert_array_equal(sharded[name]["index"][field], value, err_msg=f"{name} {field}")

@@ -31,12 +31,14 @@ from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.nn.dynamic import (
     DynamicIndex,
     IndexState,
+    from_portable,
     group_index,
     new_index,
     slots_for_eval,
     slots_for_training,
     statistics,
     table_index,
+    to_portable,
 )
 from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup, hash_table, tbe_layout
 from jaxrec.ops.tbe_kjt import (
@@ -158,14 +160,15 @@ class GroupedTables(TableCollection):
         return {t.name: (index, g.tables, k, i) for (i, g), index in zip(dynamic, self.indices)
                 for k, t in enumerate(g.tables)}
 
-    def _table_index(self, name: str) -> IndexState:
+    def dynamic_index(self, name: str) -> IndexState:
+        """Dynamic table ``name``'s own index (its bucket range of its group's, its counters)."""
         index, configs, k, _ = self._indices()[name]
         return table_index(index.get_value(), configs, k)
 
     def dynamic_statistics(self) -> dict[str, dict[str, jax.Array]]:
         """``{table name: statistics}`` of the dynamic tables: ``size``, ``load_factor``,
         ``inserted``, ``evicted``, ``failed_inserts``, ``unknown_lookups`` (docs/dynamic_vocab.md)."""
-        return {name: statistics(self._table_index(name)) for name in self._indices()}
+        return {name: statistics(self.dynamic_index(name)) for name in self._indices()}
 
     def dynamic_changes(self, table: str, since_step: int) -> dict[str, np.ndarray]:
         """``{"ids", "rows"}`` (NumPy) of dynamic table ``table``: the ids that training saw
@@ -175,7 +178,7 @@ class GroupedTables(TableCollection):
         if table not in indices:
             raise ValueError(f"{table!r} is not a dynamic table of collection {self.name!r}; its dynamic "
                              f"tables: {sorted(indices)}")
-        ids, slots = hash_table.changed_since(self._table_index(table).table, since_step)
+        ids, slots = hash_table.changed_since(self.dynamic_index(table).table, since_step)
         _, _, k, i = indices[table]
         layout = self.groups[i].layout
         weights = self.tables[i].get_value().weights.reshape(-1, layout.dims[0])  # one width (dynamic_group_key)
@@ -201,9 +204,7 @@ class GroupedTables(TableCollection):
                 for t, states in zip(g.tables, host.split_optimizer_states()):
                     out[t.name].update(states, step=host.step)
         for name in self._indices():
-            state = jax.tree.map(to_host, self._table_index(name))
-            counters = {f: getattr(state, f) for f in IndexState._fields[1:]}
-            out[name]["index"] = {**state.table._asdict(), **counters}
+            out[name]["index"] = to_portable(jax.tree.map(to_host, self.dynamic_index(name)))
         return out
 
     def load_portable_tables(self, portable: Mapping[str, Mapping[str, jax.Array]]) -> None:
@@ -218,10 +219,7 @@ class GroupedTables(TableCollection):
                     step=portable[names[0]]["step"])
         for g in (g for g in self.groups if g.dynamic):  # each group's index from its tables' own
             index, *_ = self._indices()[g.tables[0].name]
-            given = [portable[t.name]["index"] for t in g.tables]
-            index.set_value(group_index([
-                IndexState(hash_table.HashTable(*(jnp.asarray(x[f]) for f in hash_table.HashTable._fields)),
-                           *(jnp.asarray(x[f]) for f in IndexState._fields[1:])) for x in given]))
+            index.set_value(group_index([from_portable(portable[t.name]["index"]) for t in g.tables]))
 
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
         """One KJT per group, holding that group's features in its layout's order."""

@@ -57,6 +57,9 @@ class IndexState(NamedTuple):
     """Ids looked up in evaluation that the index does not hold."""
 
 
+COUNTERS = IndexState._fields[1:]
+
+
 class DynamicIndex(nnx.Variable):
     """The ``IndexState`` of a group's dynamic tables: state, not trained; checkpointed
     with the model."""
@@ -77,21 +80,21 @@ def new_index(configs) -> IndexState:
     dtype = jnp.int64 if jax.config.jax_enable_x64 else jnp.int32
     capacity = sum(c.num_embeddings for c in configs)
     table = hash_table.create(capacity, bucket_size=configs[0].dynamic.bucket_size, dtype=dtype)
-    return IndexState(table, *(jnp.zeros((len(configs),), jnp.int32) for _ in IndexState._fields[1:]))
+    return IndexState(table, *(jnp.zeros((len(configs),), jnp.int32) for _ in COUNTERS))
 
 
 def table_index(state: IndexState, configs, t: int) -> IndexState:
     """Table ``t``'s own index (its bucket range, its counters) in a group's index."""
     r = ranges(configs)[t]
     part = hash_table.HashTable(*(x[r.first:r.first + r.local] for x in state.table))
-    return IndexState(part, *(getattr(state, f)[t] for f in IndexState._fields[1:]))
+    return IndexState(part, *(getattr(state, f)[t] for f in COUNTERS))
 
 
 def group_index(parts: list[IndexState]) -> IndexState:
     """The group's index of its tables' own indices (``table_index``'s inverse)."""
     table = hash_table.HashTable(*(jnp.concatenate(xs) for xs in zip(*(p.table for p in parts))))
     return IndexState(table, *(jnp.stack([jnp.asarray(getattr(p, f)).reshape(()) for p in parts])
-                               for f in IndexState._fields[1:]))
+                               for f in COUNTERS))
 
 
 def slots_for_training(index: DynamicIndex, tables: FusedEmbeddingTables, configs, ids, valid,
@@ -167,6 +170,18 @@ def slots_for_eval(index: DynamicIndex, configs, ids, valid, table_of=None, *, s
     unknown = hash_table.count_per_range(valid & (slots < 0), table_of, len(configs))
     index.set_value(state._replace(unknown=state.unknown + unknown.reshape(state.unknown.shape)))
     return jnp.where(valid, slots, -1)
+
+
+def to_portable(state: IndexState) -> dict[str, jax.Array]:
+    """A table's index in the portable form (``portable_tables``' ``"index"`` entry): the
+    hash table's arrays and the counters, by name."""
+    return {**state.table._asdict(), **{f: getattr(state, f) for f in COUNTERS}}
+
+
+def from_portable(given) -> IndexState:
+    """``to_portable``'s inverse."""
+    return IndexState(hash_table.HashTable(*(jnp.asarray(given[f]) for f in hash_table.HashTable._fields)),
+                      *(jnp.asarray(given[f]) for f in COUNTERS))
 
 
 def statistics(state: IndexState) -> dict[str, jax.Array]:

@@ -36,11 +36,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxrec._mesh import to_host
-from jaxrec.nn.dynamic import IndexState, new_index, slots_for_eval, slots_for_training
+from jaxrec.nn.dynamic import COUNTERS, IndexState, new_index, slots_for_eval, slots_for_training
+from jaxrec.nn.dynamic import to_portable as index_to_portable
 from jaxrec.ops import hash_table
 from jaxrec.parallel._dist import Ids
-
-COUNTERS = IndexState._fields[1:]
 
 
 def check(config, n: int) -> None:
@@ -80,8 +79,7 @@ def totals(state: IndexState) -> IndexState:
 def to_portable(state: IndexState) -> dict[str, np.ndarray]:
     """The portable form of a sharded index: the whole table's arrays, counters summed (what
     an unsharded collection's ``portable_tables`` gives under the table's ``"index"``)."""
-    host = jax.tree.map(to_host, totals(state))
-    return {**host.table._asdict(), **{f: getattr(host, f) for f in COUNTERS}}
+    return index_to_portable(jax.tree.map(to_host, totals(state)))
 
 
 def owned(ids: Ids, features: Sequence[int], num_buckets: int, me, n: int) -> jax.Array:

@@ -45,6 +45,7 @@ from jaxrec._mesh import on_mesh, replicate, to_host
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
 from jaxrec.nn.dynamic import DynamicIndex, statistics
+from jaxrec.nn.dynamic import to_portable as index_to_portable
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, hash_table
 from jaxrec.ops.bounds_check import as_bounds_check_mode
 from jaxrec.ops.tbe_kjt import features_in_order, require_features
@@ -567,10 +568,8 @@ def portable_from_collection(ebc: EmbeddingBagCollection) -> dict[str, dict[str,
             for t, states in zip(group.tables, tables.split_optimizer_states()):
                 out[t.name].update(states)
                 out[t.name]["step"] = tables.step
-    dynamic = [g.tables[0].name for g in ebc.groups if g.dynamic]  # ebc.indices: in group order
-    for name, index in zip(dynamic, ebc.indices):
-        state = index.get_value()
-        out[name]["index"] = {**state.table._asdict(), **{f: getattr(state, f) for f in _dynamic.COUNTERS}}
+    for name in (t.name for g in ebc.groups if g.dynamic for t in g.tables):  # each its own part
+        out[name]["index"] = index_to_portable(ebc.dynamic_index(name))
     return out
 
 
