@@ -151,7 +151,8 @@ class EmbeddingBagConfig(EmbeddingConfig):
     A TT table is looked up on its own (not batched with the dense tables)."""
     dynamic: DynamicVocab | None = None
     """Take raw ids, each mapped to its own row by a hash table (a dynamic vocabulary);
-    looked up on its own. Needs a fused optimizer."""
+    looked up with the collection's other dynamic tables of the same ``dynamic_group_key``,
+    apart from ordinary tables. Needs a fused optimizer."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -202,7 +203,7 @@ class TableGroup:
 
     @property
     def dynamic(self) -> bool:
-        """Whether the group is one dynamic-vocabulary table (ids mapped by a hash table)."""
+        """Whether the group's tables are dynamic vocabularies (ids mapped by one hash index)."""
         return getattr(self.tables[0], "dynamic", None) is not None
 
 

@@ -31,6 +31,8 @@ from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.nn.dynamic import (
     DynamicIndex,
     IndexState,
+    check_collection,
+    check_dynamic_table,
     from_portable,
     group_index,
     new_index,
@@ -69,11 +71,7 @@ class GroupedTables(TableCollection):
         self.backend = backend
         self.name = name
         self.feature_names = tuple(f for t in self.table_configs for f in t.feature_names)
-        dynamic = [g.tables[0].name for g in groups if g.dynamic]
-        if dynamic and optimizer is None:
-            raise ValueError(f"tables {dynamic} are dynamic vocabularies, whose new ids' rows and optimizer "
-                             "state are reset inside the step: give the collection a fused optimizer "
-                             "(optimizer=RowWiseAdagrad(...) etc.)")
+        check_collection(tables, optimizer)
         self.deterministic = False  # dynamic tables: insert new ids (flax's model.train / model.eval)
         _check_fits(name, groups, optimizer)
         keys = {t.name: rngs.params() for t in tables}  # keys drawn in config order
@@ -175,9 +173,7 @@ class GroupedTables(TableCollection):
         at fused step ``since_step`` or later (inserted or updated since) and their rows now;
         what a serving copy must refresh (docs/dynamic_vocab.md)."""
         indices = self._indices()
-        if table not in indices:
-            raise ValueError(f"{table!r} is not a dynamic table of collection {self.name!r}; its dynamic "
-                             f"tables: {sorted(indices)}")
+        check_dynamic_table(table, indices, self.name)
         ids, slots = hash_table.changed_since(self.dynamic_index(table).table, since_step)
         _, _, k, i = indices[table]
         layout = self.groups[i].layout

@@ -65,6 +65,22 @@ class DynamicIndex(nnx.Variable):
     with the model."""
 
 
+def check_collection(configs, optimizer) -> None:
+    """Refuses dynamic tables in a collection without a fused optimizer (unsharded and sharded)."""
+    dynamic = [c.name for c in configs if getattr(c, "dynamic", None) is not None]
+    if dynamic and optimizer is None:
+        raise ValueError(f"tables {dynamic} are dynamic vocabularies, whose new ids' rows and optimizer "
+                         "state are reset inside the step: give the collection a fused optimizer "
+                         "(optimizer=RowWiseAdagrad(...) etc.)")
+
+
+def check_dynamic_table(table: str, dynamic_tables, collection: str) -> None:
+    """Refuses ``table`` where a dynamic table is needed (``dynamic_changes``)."""
+    if table not in dynamic_tables:
+        raise ValueError(f"{table!r} is not a dynamic table of collection {collection!r}; its dynamic "
+                         f"tables: {sorted(dynamic_tables)}")
+
+
 def ranges(configs, shards: int = 1) -> tuple[hash_table.Range, ...]:
     """Each table's bucket range in the group's index: its buckets one after the other (a
     device's part of a sharded table: ``1 / shards`` of them, ``hash_table.shard_of``)."""

@@ -44,7 +44,7 @@ from jaxrec import _step_guard
 from jaxrec._mesh import on_mesh, replicate, to_host
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
-from jaxrec.nn.dynamic import DynamicIndex, statistics
+from jaxrec.nn.dynamic import DynamicIndex, check_collection, check_dynamic_table, statistics
 from jaxrec.nn.dynamic import to_portable as index_to_portable
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, hash_table
 from jaxrec.ops.bounds_check import as_bounds_check_mode
@@ -134,13 +134,10 @@ class ShardedEmbeddingBagCollection(TableCollection):
         if comm_dtype not in _COMM_DTYPES:
             raise ValueError(f"comm_dtype must be one of {[d.name for d in _COMM_DTYPES]}, got "
                              f"{comm_dtype.name}")
-        dynamic = [t for t in tables if getattr(t, "dynamic", None) is not None]
-        if dynamic and optimizer is None:
-            raise ValueError(f"tables {[t.name for t in dynamic]} are dynamic vocabularies, whose new ids' "
-                             "rows and optimizer state are reset inside the step: give the collection a "
-                             "fused optimizer (optimizer=RowWiseAdagrad(...) etc.)")
-        for t in dynamic:
-            _dynamic.check(t, plan.world_size)
+        check_collection(tables, optimizer)
+        for t in tables:
+            if getattr(t, "dynamic", None) is not None:
+                _dynamic.check(t, plan.world_size)
         if (rngs is None) == (initial is None):
             raise ValueError("pass exactly one of rngs= (new tables) or initial= (portable tables)")
         self.layout = build_layout(table_specs(tables), plan)
@@ -240,9 +237,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
         at fused step ``since_step`` or later and their rows now (as the unsharded
         collection's ``dynamic_changes``)."""
         indices = self._indices()
-        if table not in indices:
-            raise ValueError(f"{table!r} is not a dynamic table of collection {self.name!r}; its dynamic "
-                             f"tables: {sorted(indices)}")
+        check_dynamic_table(table, indices, self.name)
         ids, slots = hash_table.changed_since(indices[table].get_value().table, since_step)
         (i,) = [i for i, g in enumerate(self.layout.groups)
                 if g.dynamic and self.table_configs[g.pieces[0].table].name == table]
