@@ -141,13 +141,14 @@ inline ffi::Error CheckTable(std::string_view op, const ffi::AnyBuffer& keys, co
   return ffi::Error::Success();
 }
 
-// The operands of find_or_insert besides the table: counts s32[N] like the run ids, a
-// step s32 scalar, the policy.
-inline ffi::Error CheckInsert(std::string_view op, const ffi::AnyBuffer& run_ids,
-                              const ffi::AnyBuffer& counts, const ffi::AnyBuffer& step, int32_t policy) {
-  if (counts.element_type() != ffi::DataType::S32 || counts.element_count() != run_ids.element_count()) {
-    return Invalid(
-        op, "counts must be int32 like the run ids, [" + std::to_string(run_ids.element_count()) + "]");
+// The operands of find_or_insert besides the table and the ids: one per id (the CPU
+// handler's counts s32, the CUDA handler's valid pred), a step s32 scalar, the policy.
+inline ffi::Error CheckInsert(std::string_view op, const ffi::AnyBuffer& ids, const ffi::AnyBuffer& per_id,
+                              ffi::DataType per_id_type, std::string_view per_id_name,
+                              const ffi::AnyBuffer& step, int32_t policy) {
+  if (per_id.element_type() != per_id_type || per_id.element_count() != ids.element_count()) {
+    return Invalid(op, std::string(per_id_name) + " must be " + DtypeName(per_id_type) + " like the ids, [" +
+                           std::to_string(ids.element_count()) + "]");
   }
   if (step.element_type() != ffi::DataType::S32 || step.element_count() != 1) {
     return Invalid(op, "step must be an int32 scalar");

@@ -165,7 +165,9 @@ ffi::Error HashInsertCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys_in, ffi::AnyB
       e.failure()) {
     return e;
   }
-  if (ffi::Error e = CheckInsert(kOp, run_ids, counts, step, policy); e.failure()) return e;
+  if (ffi::Error e = CheckInsert(kOp, run_ids, counts, ffi::DataType::S32, "counts", step, policy);
+      e.failure())
+    return e;
   CopyUnlessAliased(keys_in, *keys);
   CopyUnlessAliased(digests_in, *digests);
   CopyUnlessAliased(scores_in, *scores);

@@ -46,7 +46,7 @@ TARGETS = {
         "jaxrec_tt_backward": "JaxrecTtBackwardCuda",
         "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCuda",
         "jaxrec_hash_find": "JaxrecHashFindCuda",
-        "jaxrec_hash_insert": "JaxrecHashInsertCuda",
+        "jaxrec_hash_find_or_insert": "JaxrecHashFindOrInsertCuda",
     },
 }
 

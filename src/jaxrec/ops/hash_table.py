@@ -31,8 +31,9 @@ batch give the same slots on every backend. Three implementations: XLA FFI handl
 on CPU, CUDA on the GPU), and the jnp reference (``hash_table_reference``), which runs
 where no handler is built; ``tests/test_hash_table.py`` checks all against a Python
 dict model of the same buckets and policy (``tests/hash_table_testing.py``).
-``find_or_insert`` first sorts the batch by ``h`` (XLA's sort) and keeps one entry per
-distinct id (a run); the handler then places the runs, one bucket at a time.
+``find_or_insert`` sorts the batch by (range, ``h``), keeps one entry per distinct id (a
+run) and places the runs, one bucket at a time: on the GPU all in one handler, on the
+CPU XLA's sort and scatters and then a handler (docs/dynamic_vocab.md, Implementation).
 """
 
 from __future__ import annotations
@@ -208,52 +209,69 @@ def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru
 
 @functools.partial(jax.jit, static_argnames=("policy", "ranges", "backend"))
 def _find_or_insert(table, ids, step, valid, table_of, *, policy, ranges, backend):
+    # The CPU handler and the reference place runs that XLA sorts and groups
+    # (_insert_by_runs); the CUDA handler does it all in one call (csrc/cuda/hash_table.cu).
+    bounds = jnp.asarray(ranges, jnp.int32).reshape(-1, 3)
+    kernels = {"cpu": functools.partial(_insert_by_runs, insert=functools.partial(_insert_runs_cpu, policy=policy)),
+               "cuda": functools.partial(_insert_cuda, policy=policy)}
+    reference_ = functools.partial(_insert_by_runs, insert=lambda *args: reference.insert_runs(*args, policy))
+    return _ffi.dispatch(kernels, reference_, table, ids, step, valid, table_of, bounds, backend=backend)
+
+
+def _insert_by_runs(table, ids, step, valid, table_of, bounds, *, insert):
     # One run per distinct (range, id), in (range, hash) order: a stable sort by hash, then
     # (several ranges) a stable sort by range; fmix is a bijection, so equal hashes are
     # equal ids.
+    count = bounds.shape[0]
     h = hash_ids(ids)
     order = jnp.argsort(h, stable=True)
-    if len(ranges) > 1:
+    if count > 1:
         order = order[jnp.argsort(table_of[order], stable=True)]
     s_h, s_valid, s_table = h[order], valid[order], table_of[order]
     n = ids.shape[0]
     new_run = jnp.concatenate([jnp.ones((min(n, 1),), bool),
                                (s_h[1:] != s_h[:-1]) | (s_table[1:] != s_table[:-1])])
     run = jnp.cumsum(new_run, dtype=jnp.int32) - 1
-    s_valid &= (s_table >= 0) & (s_table < len(ranges))  # an id of no range is no id
+    s_valid &= (s_table >= 0) & (s_table < count)  # an id of no range is no id
     counts = jnp.zeros((n,), jnp.int32).at[run].add(s_valid.astype(jnp.int32))
     # The entries past the last run belong to no range (count 0): the handlers skip them,
     # and each bucket's runs stay consecutive.
     s_ids = ids[order]
     run_ids = jnp.zeros((n,), ids.dtype).at[run].set(s_ids)
-    run_tables = jnp.full((n,), len(ranges), jnp.int32).at[run].set(s_table)
-    bounds = jnp.asarray(ranges, jnp.int32).reshape(-1, 3)
-
-    def kernel(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds):
-        like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (keys, digests, scores, seen)]
-        call = jax.ffi.ffi_call(
-            "jaxrec_hash_insert", (*like, jax.ShapeDtypeStruct((n,), jnp.int32),
-                                   jax.ShapeDtypeStruct((n,), jnp.int32)),
-            input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3}, vmap_method="sequential")
-        *state, run_slots, status = call(keys, digests, scores, seen, run_ids, run_tables, counts, step,
-                                         bounds, policy=np.int32(POLICIES.index(policy)))
-        return HashTable(*state), run_slots, status
-
-    def ref(*args):
-        *state, run_slots, status = reference.insert_runs(*args, policy)
-        return HashTable(*state), run_slots, status
-
-    new, run_slots, status = _ffi.dispatch(kernel, ref, *table, run_ids, run_tables, counts, step, bounds,
-                                           backend=backend)
+    run_tables = jnp.full((n,), count, jnp.int32).at[run].set(s_table)
+    *state, run_slots, status = insert(*table, run_ids, run_tables, counts, step, bounds)
     slots = jnp.zeros((n,), jnp.int32).at[order].set(jnp.where(s_valid, run_slots[run], -1))
     placed = (status == INSERTED) | (status == INSERTED_EVICTING)
     # fresh_slots by the id's rank among the batch's distinct ids (hash order), so that
     # the padding entries do not shift it.
     rank = jnp.cumsum(status != NOT_AN_ID, dtype=jnp.int32) - 1
     fresh = jnp.full((n,), table.capacity, jnp.int32).at[jnp.where(placed, rank, n)].set(run_slots, mode="drop")
-    info = InsertInfo(fresh, *(count_per_range(flag, run_tables, len(ranges))
+    info = InsertInfo(fresh, *(count_per_range(flag, run_tables, count)
                                for flag in (placed, status == INSERTED_EVICTING, status == FAILED)))
-    return slots, new, info
+    return slots, HashTable(*state), info
+
+
+def _insert_runs_cpu(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds, *, policy):
+    n = run_ids.shape[0]
+    like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (keys, digests, scores, seen)]
+    call = jax.ffi.ffi_call(
+        "jaxrec_hash_insert", (*like, jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)),
+        input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3}, vmap_method="sequential")
+    return call(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds,
+                policy=np.int32(POLICIES.index(policy)))
+
+
+def _insert_cuda(table, ids, step, valid, table_of, bounds, *, policy):
+    n, count = ids.shape[0], bounds.shape[0]
+    like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in table]
+    call = jax.ffi.ffi_call(
+        "jaxrec_hash_find_or_insert",
+        (*like, jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32),
+         jax.ShapeDtypeStruct((3, count), jnp.int32)),
+        input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3}, vmap_method="sequential")
+    *state, slots, fresh, counts = call(*table, ids, valid, table_of, step, bounds,
+                                        policy=np.int32(POLICIES.index(policy)))
+    return slots, HashTable(*state), InsertInfo(fresh, counts[0], counts[1], counts[2])
 
 
 def count_per_range(flag: jax.Array, table_of: jax.Array, count: int) -> jax.Array:
