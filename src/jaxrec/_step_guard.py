@@ -275,10 +275,17 @@ class StepMonitor:
         self._totals = [0, 0, 0]  # non-finite steps, corrected ids, kept rows
         self._counters = (0, 0, 0)  # the device's counters at the last read (modulo 2**32)
 
-    def latch(self) -> jax.Array:
-        """The latch for the step about to be issued (after ``poll()``)."""
+    def latch(self, like: jax.Array | None = None) -> jax.Array:
+        """The latch for the step about to be issued (after ``poll()``). A fresh one is
+        committed to the device that ``like`` (one of the step's state arrays) is committed
+        to: jit compiles anew for a change in which inputs are committed, and an
+        uncommitted first latch beside committed state (a restored model) made the second
+        step compile the step again."""
         if self._latch is None:
-            self._latch = jnp.asarray([self.steps, 0, 0, *self._counters], jnp.int32)
+            latch = jnp.asarray([self.steps, 0, 0, *self._counters], jnp.int32)
+            if isinstance(like, jax.Array) and like.committed and len(like.devices()) == 1:
+                latch = jax.device_put(latch, next(iter(like.devices())))
+            self._latch = latch
         return self._latch
 
     def poll(self) -> None:

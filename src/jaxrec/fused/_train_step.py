@@ -119,8 +119,9 @@ class FunctionalTrainStep:
 
     def __call__(self, params, opt_state, tables, *batch):
         self._monitor.poll()
+        like = next(iter(jax.tree.leaves(params)), None)
         params, opt_state, tables, value, fatal, latch = self._jitted(
-            params, opt_state, tables, self._monitor.latch(), *batch)
+            params, opt_state, tables, self._monitor.latch(like), *batch)
         self._monitor.issued(fatal, latch, self._messages)
         return params, opt_state, tables, value
 

@@ -98,7 +98,7 @@ class TrainStep:
         lists = [[v.get_raw_value() for v in variables] for variables in split.variables]
         lists.insert(1, [v.get_raw_value() for v in opt_vars])
         self._monitor.poll()
-        lists.append(self._monitor.latch())
+        lists.append(self._monitor.latch(like=next((x for x in lists[0] if isinstance(x, jax.Array)), None)))
         structure = specs = None
         if mesh is not None:  # every array on the mesh, and its spec (a spec per leaf)
             lists, structure, specs = _placed(split, lists, mesh)

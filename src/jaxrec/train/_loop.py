@@ -131,6 +131,15 @@ class _Run:
         self.test_unknown: dict | None = None  # dynamic tables: the test's unknown ids
         if config.resume:
             self._resume()
+        if self.plan is None:
+            # Committed to the device from the first step on, fresh or resumed: restored
+            # arrays come back committed, and a step whose inputs are committed compiles to
+            # another program than one whose are not. Without this a resumed run compiled
+            # its step twice (some inputs restored, then all committed by the first step)
+            # and never the fresh run's program.
+            device = jax.devices()[0]
+            for holder in (self.model, self.optimizer):
+                nnx.update(holder, jax.device_put(nnx.state(holder), device))
         self.start = self.step
         self.train_step = make_train_step(self.task.loss_fn,
                                           on_nonfinite=NONFINITE_POLICIES[config.on_nonfinite])
