@@ -193,6 +193,19 @@ def test_learning_rate_changes_without_recompiling(platform):
     assert step._cache_size() == 1
 
 
+def test_committed_state_compiles_the_step_once():
+    # A restored model's arrays are committed to their device; the step's first latch
+    # must be too, or the second step (all inputs committed) compiles again.
+    device = jax.devices()[0]
+    tables, params = jax.device_put((new_tables(make(optim.SGD)), dense_params()), device)
+    dense = optax.sgd(0.1)
+    step = fused.make_functional_train_step(loss_fn, dense)
+    opt_state = jax.device_put(dense.init(params), device)
+    for k in range(3):
+        params, opt_state, tables, _ = step(params, opt_state, tables, *batch(k))
+    assert step._cache_size() == 1
+
+
 def test_state_access_like_fbgemm():
     tables = new_tables()
     per_table = tables.split_embedding_weights()
