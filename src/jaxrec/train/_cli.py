@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="click data: modulo hashes each categorical value to a row, value %% rows "
                         "(the default); dynamic gives each value its own raw id (Criteo: the hex "
                         "value itself, no modulo) and makes the 26 tables dynamic vocabularies of "
-                        "the same rows (rounded down to buckets of 128), inserting new ids while "
+                        "the same rows (rounded down to buckets of 128, at least one bucket), inserting new ids while "
                         "training and evicting the least recently used; evaluation looks ids up "
                         "only (an unknown id embeds as zeros). Ids are int64 (a 32-bit Criteo "
                         "value bit-cast to int32 would turn half the values negative, which the "

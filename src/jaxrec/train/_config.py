@@ -92,7 +92,7 @@ class TrainConfig:
     vocab: str = "modulo"
     """Click data: ``modulo`` (each value hashed modulo its table's rows) or ``dynamic``
     (each value its own raw int64 id, the tables dynamic vocabularies of the same rows
-    rounded down to buckets of 128, LRU eviction; the run turns on ``jax_enable_x64``).
+    rounded down to buckets of 128, at least one, LRU eviction; the run turns on ``jax_enable_x64``).
     ``_vocab.py``."""
     tt_ranks: tuple[int, ...] = ()
     """TT-compress (FBTT) every table of at least ``tt_min_rows`` rows with these inner
