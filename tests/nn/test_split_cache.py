@@ -153,3 +153,19 @@ def test_one_step_serves_optimizers_of_different_rates():
         np.testing.assert_allclose(got, want, rtol=1e-6)
         trained.append(got)
     assert not np.allclose(trained[0], trained[1])
+
+
+def test_two_variables_holding_one_array_are_named_and_nothing_changes():
+    # The step donates every Variable's array; XLA refuses a buffer donated twice.
+    model = Scaled(nnx.Rngs(0))
+    shared = jnp.asarray([0.5], jnp.float32)
+    model.extra.append(nnx.Variable(shared))
+    model.extra.append(nnx.Variable(shared))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = make_train_step(loss)
+    before = jax.tree.map(np.asarray, nnx.state(model))
+    with pytest.raises(ValueError, match=r"model\.extra\.0 and model\.extra\.1 hold the same array"):
+        step(model, optimizer, *data(0))
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, nnx.state(model)), before)
+    model.extra[1] = nnx.Variable(jnp.array(shared, copy=True))  # its own array: it trains
+    assert np.isfinite(float(step(model, optimizer, *data(0))))

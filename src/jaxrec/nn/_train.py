@@ -108,7 +108,12 @@ class TrainStep:
             compiled = steps[key] = self._compile(split, opt_split, optimizer, mesh, axis,
                                                   structure, specs, len(batch))
         step, messages = compiled
-        params, opt_state, tables, rest, loss, aux, fatal, latch = step(*lists, *batch)
+        try:
+            params, opt_state, tables, rest, loss, aux, fatal, latch = step(*lists, *batch)
+        except jax.errors.JaxRuntimeError as e:  # raised before the step ran: nothing donated
+            if self._donate and "donate the same buffer twice" in str(e):
+                raise ValueError(_shared_arrays_message(model, optimizer)) from None
+            raise
         write_back(split, (params, tables, rest))
         write_back(opt_split, (opt_state,))
         self._monitor.issued(fatal, latch, messages)
@@ -217,6 +222,25 @@ def set_learning_rate(model: nnx.Module, learning_rate) -> None:
                          "optimizer=None train by optax: set the rate there)")
     for var in variables:
         var.set_value(_set_tables_learning_rate(var.get_value(), learning_rate))
+
+
+def _shared_arrays_message(model: nnx.Module, optimizer: nnx.Optimizer) -> str:
+    """Names the Variables that hold one array between them (XLA refuses to donate a
+    buffer twice, and names only the flattened argument)."""
+    holders: dict[int, tuple[int, str]] = {}  # id(array) -> (id(Variable), its path)
+    for prefix, graph in (("model", model), ("optimizer", optimizer)):
+        for path, node in nnx.iter_graph(graph):
+            value = node.get_raw_value() if isinstance(node, nnx.Variable) else None
+            if not isinstance(value, jax.Array):
+                continue
+            name = ".".join([prefix, *map(str, path)])
+            first = holders.setdefault(id(value), (id(node), name))
+            if first[0] != id(node):
+                return (f"{first[1]} and {name} hold the same array, and the train step donates "
+                        "each Variable's array (its buffer is reused for the new value): give each "
+                        "Variable an array of its own, e.g. jnp.array(x, copy=True), or build the "
+                        "step with make_train_step(..., donate=False). Nothing was changed.")
+    return "two Variables hold the same array, which the train step cannot donate twice"
 
 
 def _placement(model: nnx.Module, wrt) -> tuple[jax.sharding.Mesh | None, str | None]:
