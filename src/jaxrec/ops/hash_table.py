@@ -214,8 +214,8 @@ def _find_or_insert(table, ids, step, valid, table_of, *, policy, ranges, backen
     bounds = jnp.asarray(ranges, jnp.int32).reshape(-1, 3)
     kernels = {"cpu": functools.partial(_insert_by_runs, insert=functools.partial(_insert_runs_cpu, policy=policy)),
                "cuda": functools.partial(_insert_cuda, policy=policy)}
-    reference_ = functools.partial(_insert_by_runs, insert=lambda *args: reference.insert_runs(*args, policy))
-    return _ffi.dispatch(kernels, reference_, table, ids, step, valid, table_of, bounds, backend=backend)
+    by_reference = functools.partial(_insert_by_runs, insert=lambda *args: reference.insert_runs(*args, policy))
+    return _ffi.dispatch(kernels, by_reference, table, ids, step, valid, table_of, bounds, backend=backend)
 
 
 def _insert_by_runs(table, ids, step, valid, table_of, bounds, *, insert):
