@@ -36,6 +36,7 @@ TARGETS = {
         "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCpu",
         "jaxrec_hash_find": "JaxrecHashFindCpu",
         "jaxrec_hash_insert": "JaxrecHashInsertCpu",
+        "jaxrec_cache_exchange": "JaxrecCacheExchangeCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
@@ -47,6 +48,7 @@ TARGETS = {
         "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCuda",
         "jaxrec_hash_find": "JaxrecHashFindCuda",
         "jaxrec_hash_find_or_insert": "JaxrecHashFindOrInsertCuda",
+        "jaxrec_cache_exchange": "JaxrecCacheExchangeCuda",
     },
 }
 

@@ -25,6 +25,9 @@ from jaxrec.ops.tbe_layout import as_pooling_mode
 from jaxrec.optim import OptimizerConfig
 
 _DTYPES = ("float32", "float16", "bfloat16")
+PLACEMENTS = ("device", "host_cached")
+CACHE_POLICIES = ("lru", "lfu")
+CACHE_BUCKET = 128  # cache rows come in buckets of this many (nn/host_cache.py)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -153,6 +156,20 @@ class EmbeddingBagConfig(EmbeddingConfig):
     """Take raw ids, each mapped to its own row by a hash table (a dynamic vocabulary);
     looked up with the collection's other dynamic tables of the same ``dynamic_group_key``,
     apart from ordinary tables. Needs a fused optimizer."""
+    placement: str = "device"
+    """Where the rows and their optimizer state live: ``"device"`` (device memory) or
+    ``"host_cached"`` (host memory, with a cache of ``cache_size()`` rows in device memory,
+    FBGEMM's ``MANAGED_CACHING``; docs/host_memory.md). Host-cached tables need a fused
+    optimizer and are looked up with the collection's other host-cached tables of the same
+    ``host_cache_group_key``."""
+    cache_rows: int | None = None
+    """Rows of a host-cached table's cache (rounded up to a multiple of 128)."""
+    cache_load_factor: float | None = None
+    """The cache's rows as a fraction of ``num_embeddings`` (TorchRec's name), when
+    ``cache_rows`` is not given; default 0.2."""
+    cache_policy: str = "lru"
+    """Which cached row a new one replaces: ``"lru"`` (least recently used) or ``"lfu"``
+    (least often used)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -178,6 +195,42 @@ class EmbeddingBagConfig(EmbeddingConfig):
                 raise ValueError(f"table {self.name!r}: a dynamic table's num_embeddings (its slots) must "
                                  f"be a multiple of bucket_size={self.dynamic.bucket_size}, got "
                                  f"{self.num_embeddings}")
+        self._check_placement()
+
+    def _check_placement(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"table {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        cache_fields = {"cache_rows": self.cache_rows, "cache_load_factor": self.cache_load_factor}
+        if self.placement == "device":
+            given = [k for k, v in cache_fields.items() if v is not None]
+            if given:
+                raise ValueError(f"table {self.name!r}: {given} apply to placement='host_cached' only; the "
+                                 "table's placement is 'device'")
+            return
+        if self.tt is not None or self.dynamic is not None:
+            raise ValueError(f"table {self.name!r}: a host-cached table is an ordinary table (not TT, not dynamic)")
+        if self.cache_policy not in CACHE_POLICIES:
+            raise ValueError(f"table {self.name!r}: cache_policy must be one of {CACHE_POLICIES}, got "
+                             f"{self.cache_policy!r}")
+        if self.cache_rows is not None and self.cache_load_factor is not None:
+            raise ValueError(f"table {self.name!r}: give cache_rows or cache_load_factor, not both")
+        rows = self.cache_rows
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, (int, np.integer)) or rows < 1):
+            raise ValueError(f"table {self.name!r}: cache_rows must be an int >= 1, got {rows!r}")
+        factor = self.cache_load_factor
+        if factor is not None and not (isinstance(factor, (int, float)) and 0 < factor <= 1):
+            raise ValueError(f"table {self.name!r}: cache_load_factor must lie in (0, 1], got {factor!r}")
+        if self.num_embeddings >= 2**31:
+            raise ValueError(f"table {self.name!r}: a host-cached table holds fewer than 2**31 rows, got "
+                             f"{self.num_embeddings}")
+
+    def cache_size(self) -> int:
+        """A host-cached table's cache rows: ``cache_rows``, or ``cache_load_factor`` (0.2)
+        of ``num_embeddings``, rounded up to a multiple of 128, at most the table's rows
+        rounded up so."""
+        wanted = self.cache_rows or math.ceil((self.cache_load_factor or 0.2) * self.num_embeddings)
+        whole = -(-self.num_embeddings // CACHE_BUCKET) * CACHE_BUCKET
+        return min(-(-wanted // CACHE_BUCKET) * CACHE_BUCKET, whole)
 
     def tt_layout(self) -> TTLayout:
         """The table's ``TTLayout`` (for a TT table)."""
@@ -206,12 +259,19 @@ class TableGroup:
         """Whether the group's tables are dynamic vocabularies (ids mapped by one hash index)."""
         return getattr(self.tables[0], "dynamic", None) is not None
 
+    @property
+    def host_cached(self) -> bool:
+        """Whether the group's tables live in host memory with a device cache (``layout``
+        is then the cache's; nn/host_cache.py)."""
+        return getattr(self.tables[0], "placement", "device") == "host_cached"
+
 
 def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None = None
                  ) -> tuple[TableGroup, ...]:
     """Checks ``tables`` and groups them by (pooling, dtype), in order of first appearance;
     each TT table is a group of its own, dynamic tables are grouped apart from the others
-    by ``dynamic_group_key`` too.
+    by ``dynamic_group_key`` too, host-cached tables by ``host_cache_group_key``. A
+    host-cached group's layout is its cache's (``cache_size()`` rows per table).
 
     ``pooling`` overrides the tables' own (``PoolingMode.NONE`` for sequence embeddings).
     """
@@ -228,6 +288,8 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
             key = ("tt", t.name)
         elif getattr(t, "dynamic", None) is not None:  # one index per group (nn/dynamic.py)
             key = ("dynamic", p, t.dtype, *dynamic_group_key(t))
+        elif getattr(t, "placement", "device") == "host_cached":  # one cache per group
+            key = ("host_cached", p, t.dtype, *host_cache_group_key(t))
         else:
             key = (p, t.dtype)
         order.setdefault(key, []).append(t)
@@ -236,7 +298,8 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
         p = pooling if pooling is not None else members[0].pooling
         dtype = members[0].dtype
         features = tuple(f for t in members for f in t.feature_names)
-        layout = TableLayout(rows=tuple(t.num_embeddings for t in members),
+        cached = getattr(members[0], "placement", "device") == "host_cached"
+        layout = TableLayout(rows=tuple(t.cache_size() if cached else t.num_embeddings for t in members),
                              dims=tuple(t.embedding_dim for t in members),
                              feature_table_map=tuple(i for i, t in enumerate(members)
                                                      for _ in t.feature_names))
@@ -250,6 +313,12 @@ def dynamic_group_key(config) -> tuple:
     is reset at ``row * width``); a table with its own ``init_fn`` draws its rows alone."""
     return (config.dynamic.bucket_size, config.dynamic.eviction, config.embedding_dim,
             config.name if config.init_fn is not None else None)
+
+
+def host_cache_group_key(config) -> tuple:
+    """What host-cached tables must share to be one group (one index, one cache, one
+    lookup, nn/host_cache.py): the policy and the row width (a row is exchanged whole)."""
+    return (config.cache_policy, config.embedding_dim)
 
 
 def _check_unique(names: list[str], what: str) -> None:

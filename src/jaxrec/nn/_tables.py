@@ -14,6 +14,7 @@ a table from its optimizer state.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -23,6 +24,7 @@ from flax import nnx
 
 from jaxrec._mesh import to_host
 from jaxrec.fused import FusedEmbeddingTables, fused_lookup
+from jaxrec.nn import host_cache
 from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
 from jaxrec.nn._fused_variable import FusedTables
@@ -42,7 +44,9 @@ from jaxrec.nn.dynamic import (
     table_index,
     to_portable,
 )
-from jaxrec.ops import BoundsCheckMode, PoolingMode, embedding_bag_lookup, hash_table, tbe_layout
+from jaxrec.nn.host_cache import HostCache, cache_rows_for, full_tables, host_layout, stored
+from jaxrec.nn.host_cache import new_state as new_cache_state
+from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, embedding_bag_lookup, hash_table, tbe_layout
 from jaxrec.ops.tbe_kjt import (
     bag_offsets,
     check_variable_batch,
@@ -72,18 +76,25 @@ class GroupedTables(TableCollection):
         self.name = name
         self.feature_names = tuple(f for t in self.table_configs for f in t.feature_names)
         check_collection(tables, optimizer)
+        host_cache.check_collection(tables, optimizer)
         self.deterministic = False  # dynamic tables: insert new ids (flax's model.train / model.eval)
         _check_fits(name, groups, optimizer)
         keys = {t.name: rngs.params() for t in tables}  # keys drawn in config order
-        variables = []
+        variables, caches = [], []
         for i, g in enumerate(groups):
             group_name = name if len(groups) == 1 else f"{name}.{i}"
             if g.tt:  # a module of its own, holding a Param list or a FusedTables
                 variables.append(_tt_module(g.tables[0], optimizer, group_name, keys))
                 continue
+            drawn = host_layout(g.layout, g.tables) if g.host_cached else g.layout
             flat = tbe_layout.merge_drawn_tables(
-                g.layout, lambda t, tables=g.tables: tables[t].init(keys[tables[t].name]), g.dtype)
-            if optimizer is None:
+                drawn, lambda t, tables=g.tables: tables[t].init(keys[tables[t].name]), g.dtype)
+            if g.host_cached:  # the drawn tables go to host memory; the cache starts empty
+                cache = FusedEmbeddingTables.create(g.layout, optimizer, weights=jnp.zeros(
+                    g.layout.num_weights, g.dtype), copy=False, name=group_name)
+                caches.append(HostCache(new_cache_state(cache, g.tables, flat)))
+                variables.append(FusedTables(cache))
+            elif optimizer is None:
                 variables.append(nnx.Param(flat))
             else:  # flat is ours alone: handed over, not copied (MLPerf-sized tables fit once)
                 variables.append(FusedTables(FusedEmbeddingTables.create(
@@ -91,16 +102,20 @@ class GroupedTables(TableCollection):
         self.tables = nnx.List(variables)
         # one hash index per dynamic group, in group order
         self.indices = nnx.List([DynamicIndex(new_index(g.tables)) for g in groups if g.dynamic])
+        # one cache state (index and host rows) per host-cached group, in group order
+        self.caches = nnx.List(caches)
 
     def split_embedding_weights(self) -> dict[str, jax.Array]:
         """``{table name: [num_embeddings, embedding_dim]}`` (views of the flat buffers)."""
         out = {}
-        for g, var in zip(self.groups, self.tables):
+        for i, (g, var) in enumerate(zip(self.groups, self.tables)):
             if g.tt:  # materialised from the cores: num_embeddings x dim floats
                 out[g.tables[0].name] = var.full_weight()
-                continue
-            flat = var.get_value().weights if self.fused else var.get_value()
-            out.update(zip((t.name for t in g.tables), g.layout.split_embedding_weights(flat)))
+            elif g.host_cached:  # NumPy, from host memory with the cached rows over it
+                out.update(zip((t.name for t in g.tables), self._full_tables(i).split_embedding_weights()))
+            else:
+                flat = var.get_value().weights if self.fused else var.get_value()
+                out.update(zip((t.name for t in g.tables), g.layout.split_embedding_weights(flat)))
         return out
 
     def split_optimizer_states(self) -> dict[str, dict[str, jax.Array]]:
@@ -108,9 +123,10 @@ class GroupedTables(TableCollection):
         tables, whose state lives on their cores, are left out)."""
         self._require_fused("optimizer state")
         out = {}
-        for g, var in zip(self.groups, self.tables):
+        for i, (g, var) in enumerate(zip(self.groups, self.tables)):
             if not g.tt:
-                out.update(zip((t.name for t in g.tables), var.get_value().split_optimizer_states()))
+                tables = self._full_tables(i) if g.host_cached else var.get_value()
+                out.update(zip((t.name for t in g.tables), tables.split_optimizer_states()))
         return out
 
     def set_embedding_weights(self, weights: Mapping[str, jax.Array]) -> None:
@@ -118,18 +134,21 @@ class GroupedTables(TableCollection):
         inverse of ``split_embedding_weights`` (load a trained FBGEMM/TorchRec table). Tables
         not named keep their weights; optimizer state is left as it is."""
         self._check_names(weights, "weights", {t.name for t in self.table_configs})
-        for g, var in zip(self.groups, self.tables):
+        for i, (g, var) in enumerate(zip(self.groups, self.tables)):
             names = [t.name for t in g.tables]
             if not any(n in weights for n in names):
                 continue
             if g.tt:
                 raise ValueError(f"table {names[0]!r} is a TT table: it holds cores, not rows; "
                                  "set its cores with its TTEmbeddingBag's set_cores (ebc.tables[i])")
-            flat = var.get_value().weights if self.fused else var.get_value()
-            current = g.layout.split_embedding_weights(flat)
+            full = self._full_tables(i) if g.host_cached else None
+            flat = full.weights if g.host_cached else var.get_value().weights if self.fused else var.get_value()
+            current = (full.layout if g.host_cached else g.layout).split_embedding_weights(flat)
             tables = [self._checked(t.name, weights[t.name]) if t.name in weights else cur
                       for t, cur in zip(g.tables, current)]
-            if self.fused:
+            if g.host_cached:
+                self._store_full(i, full.set_embedding_weights(tables))
+            elif self.fused:
                 var.set_value(var.get_value().set_embedding_weights(tables))
             else:
                 var.set_value(g.layout.merge_embedding_weights([t.astype(g.dtype) for t in tables]))
@@ -141,7 +160,7 @@ class GroupedTables(TableCollection):
         self._require_fused("optimizer state")
         self._check_names(states, "optimizer states",
                           {t.name for g in self.groups if not g.tt for t in g.tables})
-        for g, var in zip(self.groups, self.tables):
+        for i, (g, var) in enumerate(zip(self.groups, self.tables)):
             names = [t.name for t in g.tables]
             given = [n for n in names if n in states]
             if not given:
@@ -149,7 +168,26 @@ class GroupedTables(TableCollection):
             if len(given) != len(names):
                 raise ValueError(f"tables {names} share one fused buffer and step: give the states of "
                                  f"all of them, got {given}")
-            var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
+            if g.host_cached:
+                self._store_full(i, self._full_tables(i).set_optimizer_states([states[n] for n in names], step=step))
+            else:
+                var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
+
+    def _cache(self, i: int) -> HostCache:
+        """Host-cached group ``i``'s ``HostCache`` (``caches`` is in group order)."""
+        return self.caches[sum(g.host_cached for g in self.groups[:i])]
+
+    def _full_tables(self, i: int):
+        """Host-cached group ``i``'s full tables (NumPy), the cached rows written over the host's."""
+        return full_tables(self._cache(i).get_value(), self.tables[i].get_value(), self.groups[i].tables)
+
+    def _store_full(self, i: int, full) -> None:
+        """Host-cached group ``i`` set to the full tables ``full``: host memory holds them, the
+        cache starts empty, the step is theirs."""
+        var = self._cache(i)
+        var.set_value(stored(var.get_value(), full))
+        cache = self.tables[i].get_value()
+        self.tables[i].set_value(dataclasses.replace(cache, state=cache.state._replace(step=jnp.asarray(full.step))))
 
     def _indices(self) -> dict[str, tuple[DynamicIndex, tuple, int, int]]:
         """``{table name: (its group's DynamicIndex, the group's configs, its place there,
@@ -191,10 +229,10 @@ class GroupedTables(TableCollection):
         if any(g.tt for g in self.groups):
             raise NotImplementedError(f"collection {self.name!r} has TT tables, which have no portable form")
         out = {}
-        for g, var in zip(self.groups, self.tables):
-            host = jax.tree.map(to_host, var.get_value())
-            flat = host.weights if self.fused else host
-            for t, w in zip(g.tables, g.layout.split_embedding_weights(flat)):
+        for i, (g, var) in enumerate(zip(self.groups, self.tables)):
+            host = self._full_tables(i) if g.host_cached else jax.tree.map(to_host, var.get_value())
+            flat, layout = (host.weights, host.layout) if self.fused else (host, g.layout)
+            for t, w in zip(g.tables, layout.split_embedding_weights(flat)):
                 out[t.name] = {"weights": w}
             if self.fused:
                 for t, states in zip(g.tables, host.split_optimizer_states()):
@@ -216,6 +254,24 @@ class GroupedTables(TableCollection):
         for g in (g for g in self.groups if g.dynamic):  # each group's index from its tables' own
             index, *_ = self._indices()[g.tables[0].name]
             index.set_value(group_index([from_portable(portable[t.name]["index"]) for t in g.tables]))
+
+    def _cache_rows(self, i: int, table, values, offsets, kwargs):
+        """``(rows, offsets, cache)`` of host-cached group ``i``: the ids checked against their
+        tables under the collection's bounds-check mode (an id NONE leaves out of range gets
+        no row), mapped to rows of the cache; the lookup then runs on the cache unchecked."""
+        group = self.groups[i]
+        full = host_layout(group.layout, group.tables)
+        values, offsets, _ = bounds_check_indices(
+            full.feature_rows, values, offsets, kwargs["bounds_check_mode"],
+            feature_names=kwargs["feature_names"], table_names=kwargs["table_names"], backend=self.backend)
+        table_of = _table_of_entries(offsets, group.layout, values.shape[0])
+        rows = jnp.asarray(full.rows, values.dtype)[0 if table_of is None else table_of]
+        valid = (jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]) & (values >= 0) & (values < rows)
+        slots, table = cache_rows_for(self._cache(i), table, group.tables, values, valid, table_of)
+        if table_of is not None:  # group rows -> each table's rows
+            slots = jnp.where(slots >= 0, slots - jnp.asarray(group.layout.row_offsets, jnp.int32)[table_of], -1)
+        kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
+        return slots.astype(offsets.dtype), offsets, table
 
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
         """One KJT per group, holding that group's features in its layout's order."""
@@ -242,7 +298,9 @@ class GroupedTables(TableCollection):
                       feature_names=list(group.feature_names),  # for FATAL's message
                       table_names=[group.tables[t].name for t in group.layout.feature_table_map])
         table = self.tables[i].get_value()
-        if group.dynamic:  # raw ids to slots; unknown or refused ids (-1) look up nothing
+        if group.host_cached:  # row ids to cache rows, newly cached rows loaded (nn/host_cache.py)
+            values, offsets, table = self._cache_rows(i, table, values, offsets, kwargs)
+        elif group.dynamic:  # raw ids to slots; unknown or refused ids (-1) look up nothing
             index, configs, _, _ = self._indices()[group.tables[0].name]
             valid = jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]
             table_of = _table_of_entries(offsets, group.layout, values.shape[0])

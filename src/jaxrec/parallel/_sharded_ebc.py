@@ -43,7 +43,7 @@ from jax.sharding import PartitionSpec as P
 from jaxrec import _step_guard
 from jaxrec._mesh import on_mesh, replicate, to_host
 from jaxrec.fused import FusedEmbeddingTables
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection, host_cache
 from jaxrec.nn.dynamic import DynamicIndex, check_collection, check_dynamic_table, statistics
 from jaxrec.nn.dynamic import to_portable as index_to_portable
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, hash_table
@@ -135,6 +135,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
             raise ValueError(f"comm_dtype must be one of {[d.name for d in _COMM_DTYPES]}, got "
                              f"{comm_dtype.name}")
         check_collection(tables, optimizer)
+        host_cache.check_collection(tables, optimizer, sharded=True)
         for t in tables:
             if getattr(t, "dynamic", None) is not None:
                 _dynamic.check(t, plan.world_size)

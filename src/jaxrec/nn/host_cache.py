@@ -1,0 +1,232 @@
+"""Host-cached tables in a collection (``EmbeddingBagConfig(placement="host_cached")``):
+all rows and their optimizer state in host memory, a cache of some rows in device
+memory, shared by the collections (docs/host_memory.md).
+
+The host-cached tables of a collection that share a ``_configs.host_cache_group_key`` are
+one group, held in three places::
+
+    FusedTables   the cache: fused tables of cache_rows rows per table (device memory);
+                  the lookup and the fused update run on it as on any table
+    HostCache     .index: a hash index (jaxrec.ops.hash_table, buckets of 128 slots,
+                  one bucket range per table) of row id -> cache row
+                  .rows: fused tables of num_embeddings rows per table whose weights
+                  and optimizer-state buffers live in host memory ("pinned_host")
+
+A lookup first maps each id to a cache row with ``find_or_insert`` (LRU: last step seen,
+or LFU: times seen). Each cache row given a new id is then exchanged with the host in one
+handler call (``jaxrec.ops.host_cache.exchange_rows``): the evicted id's row and optimizer
+state are written back to its host row, the new id's are loaded. The lookup and the fused
+update then read and write the cache only. So the cache row of an id holds its current
+row and state for as long as the id is cached, and the host row is current otherwise:
+``flushed_rows`` (checkpoints, ``split_embedding_weights``) overlays the one on the other.
+
+* **Rows in use are never evicted.** The index never gives a new id a slot that an id of
+  the same batch holds. An id left without a cache row (its bucket's 128 slots all held by
+  ids of the batch) is an error: the step updates nothing and raises (inside a train step,
+  by the step guard; outside, when the computation runs), naming the table and the cache
+  size to raise. Size the cache to at least twice a batch's distinct rows of the table.
+* **Bounds.** The raw ids are checked against ``num_embeddings`` under the collection's
+  bounds-check mode before the index sees them; an id out of range (NONE) gets no cache row
+  and looks up nothing, so no id ever reaches a host row outside its table.
+* **Step counter.** The cache's fused tables count the updates (Adam's bias correction,
+  LRU's score); the host copy's ``step`` is not used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jaxrec import _step_guard
+from jaxrec.fused import FusedEmbeddingTables
+from jaxrec.nn.dynamic import COUNTERS, IndexState
+from jaxrec.ops import hash_table
+from jaxrec.ops.host_cache import exchange_rows, to_host_memory
+from jaxrec.ops.tbe_layout import TableLayout
+
+BUCKET_SIZE = 128
+"""Slots per bucket of a cache's index (HierarchicalKV's bucket)."""
+
+
+class CacheState(NamedTuple):
+    """A host-cached group's index (row id -> cache row) and its tables in host memory."""
+
+    index: IndexState
+    rows: FusedEmbeddingTables
+    """The full tables; weights and optimizer-state buffers in host memory."""
+
+
+class HostCache(nnx.Variable):
+    """The ``CacheState`` of a group of host-cached tables: state, not trained;
+    checkpointed with the model."""
+
+
+def check_collection(configs, optimizer, *, sharded: bool = False) -> None:
+    """Refuses host-cached tables in a collection without a fused optimizer, or sharded."""
+    cached = [c.name for c in configs if getattr(c, "placement", "device") == "host_cached"]
+    if cached and sharded:
+        raise NotImplementedError(f"tables {cached} are host-cached: a sharded collection does not hold "
+                                  "host-cached tables yet; place them on the device or use an unsharded "
+                                  "EmbeddingBagCollection")
+    if cached and optimizer is None:
+        raise ValueError(f"tables {cached} are host-cached, whose rows are exchanged with the cache inside the "
+                         "step together with their optimizer state: give the collection a fused optimizer "
+                         "(optimizer=RowWiseAdagrad(...) etc.)")
+
+
+def host_layout(layout: TableLayout, configs) -> TableLayout:
+    """The group's full tables (``num_embeddings`` rows each) in the cache layout's order."""
+    return dataclasses.replace(layout, rows=tuple(c.num_embeddings for c in configs))
+
+
+def ranges(configs) -> tuple[hash_table.Range, ...]:
+    """Each table's bucket range of the group's index: its cache rows, one after the other."""
+    out, first = [], 0
+    for c in configs:
+        buckets = c.cache_size() // BUCKET_SIZE
+        out.append(hash_table.Range(first, buckets, buckets))
+        first += buckets
+    return tuple(out)
+
+
+def new_state(cache: FusedEmbeddingTables, configs, flat_weights: jax.Array) -> CacheState:
+    """A group's empty index and its full tables (``flat_weights``, zero optimizer state)
+    moved to host memory."""
+    capacity = sum(c.cache_size() for c in configs)
+    index = IndexState(hash_table.create(capacity, bucket_size=BUCKET_SIZE),
+                       *(jnp.zeros((len(configs),), jnp.int32) for _ in COUNTERS))
+    rows = FusedEmbeddingTables.create(host_layout(cache.layout, configs), cache.config, weights=flat_weights,
+                                       copy=False, name=cache.name + ".host")
+    return CacheState(index, _buffers_to_host(rows))
+
+
+def _buffers_to_host(rows: FusedEmbeddingTables) -> FusedEmbeddingTables:
+    """``rows`` with its weights and optimizer-state buffers in host memory."""
+    state = rows.state._replace(**{n: to_host_memory(getattr(rows.state, n)) for n in rows.config.state_names})
+    return dataclasses.replace(rows, weights=to_host_memory(rows.weights), state=state)
+
+
+def _buffers(tables: FusedEmbeddingTables) -> list[jax.Array]:
+    return [tables.weights, *(getattr(tables.state, n) for n in tables.config.state_names)]
+
+
+def _with_buffers(tables: FusedEmbeddingTables, buffers) -> FusedEmbeddingTables:
+    names = tables.config.state_names
+    return dataclasses.replace(tables, weights=buffers[0],
+                               state=tables.state._replace(**dict(zip(names, buffers[1:]))))
+
+
+def cache_rows_for(var: HostCache, cache: FusedEmbeddingTables, configs, ids, valid, table_of=None):
+    """``(rows, cache)``: each id's row of the group's cache (-1 where ``valid`` is False),
+    and the cache with the rows of newly cached ids loaded; the index and the host copy
+    are updated (module doc). ``table_of``: each id's table in ``configs`` (default: the
+    first); the ids must lie in their tables."""
+    state = var.get_value()
+    bounds = ranges(configs)
+    old = state.index.table
+    slots, table, info = hash_table.find_or_insert(old, ids.astype(old.keys.dtype), cache.step,
+                                                   policy=configs[0].cache_policy, valid=valid,
+                                                   table_of=table_of, ranges=bounds)
+    _report_overflow(info.failed, configs)
+    # each newly cached id's slot, the id it evicted (if any) and the table of that slot
+    fresh = info.fresh_slots
+    is_fresh = fresh < table.capacity
+    at = jnp.minimum(fresh, table.capacity - 1)
+    firsts = jnp.asarray([r.first for r in bounds], jnp.int32) * BUCKET_SIZE
+    slot_table = jnp.clip(jnp.searchsorted(firsts, at, side="right") - 1, 0, len(configs) - 1)
+    host_first = jnp.asarray(state.rows.layout.row_offsets, jnp.int32)[slot_table]
+    evicting = is_fresh & (old.digests.reshape(-1)[at] != 0)
+    evict = jnp.where(evicting, host_first + old.keys.reshape(-1)[at].astype(jnp.int32), -1)
+    load = jnp.where(is_fresh, host_first + table.keys.reshape(-1)[at].astype(jnp.int32), -1)
+    new_cache, new_host = exchange_rows(
+        jax.lax.stop_gradient(_buffers(cache)), _buffers(state.rows), jnp.where(is_fresh, fresh, -1), evict, load,
+        cache_num_rows=sum(cache.layout.rows), host_num_rows=sum(state.rows.layout.rows))
+    index = state.index
+    var.set_value(CacheState(
+        IndexState(table, index.inserted + info.inserted, index.evicted + info.evicted,
+                   index.failed + info.failed, index.unknown),
+        _with_buffers(state.rows, new_host)))
+    return slots, _through(cache, _with_buffers(cache, new_cache))
+
+
+@jax.custom_vjp
+def _through(tables: FusedEmbeddingTables, exchanged: FusedEmbeddingTables) -> FusedEmbeddingTables:
+    """``exchanged``, whose backward hands the cotangent (the fused update's new tables)
+    to ``tables``: the step's updated cache is the exchanged one, updated."""
+    return exchanged
+
+
+def _through_forward(tables, exchanged):
+    return exchanged, None
+
+
+def _through_backward(_, cotangent):
+    return cotangent, jax.tree.map(_zero_cotangent, cotangent)
+
+
+def _zero_cotangent(x):
+    return np.zeros(x.shape, jax.dtypes.float0) if x.dtype == jax.dtypes.float0 else jnp.zeros_like(x)
+
+
+_through.defvjp(_through_forward, _through_backward)
+
+
+def _report_overflow(failed: jax.Array, configs) -> None:
+    """An id without a cache row fails the step (module doc)."""
+    names = [c.name for c in configs]
+    sizes = [c.cache_size() for c in configs]
+    report = jnp.concatenate([jnp.sum(failed, dtype=jnp.int32)[None], failed.astype(jnp.int32)])
+    _step_guard.report_fatal(report, _OverflowMessage(tuple(names), tuple(sizes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class _OverflowMessage:
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    def __call__(self, total, *per_table):
+        worst = int(np.argmax(per_table))
+        return (f"host-cached table {self.names[worst]!r}: {per_table[worst]} distinct ids of one batch found no "
+                f"row in its cache of {self.sizes[worst]} rows (a bucket of {BUCKET_SIZE} cache rows was full of "
+                f"the batch's own ids; {total} such ids in all tables {list(self.names)}). Raise the table's "
+                "cache_rows (or cache_load_factor) to at least twice a batch's distinct ids of the table.")
+
+
+def flushed_rows(state: CacheState, cache: FusedEmbeddingTables, configs) -> dict[str, np.ndarray]:
+    """``{"weights": ..., state name: ...}``: the group's full flat buffers (NumPy), the
+    cached rows written over their host rows; nothing is changed."""
+    table, layout = state.index.table, state.rows.layout
+    held = np.flatnonzero(np.asarray(table.digests).reshape(-1) != 0)
+    keys = np.asarray(table.keys).reshape(-1)[held].astype(np.int64)
+    firsts = np.asarray([r.first for r in ranges(configs)], np.int64) * BUCKET_SIZE
+    slot_table = np.searchsorted(firsts, held, side="right") - 1
+    host_rows = np.asarray(layout.row_offsets, np.int64)[slot_table] + keys
+    names = ["weights", *cache.config.state_names]
+    out = {}
+    for name, host, cached in zip(names, _buffers(state.rows), _buffers(cache)):
+        full = np.array(host).reshape(sum(layout.rows), -1)
+        full[host_rows] = np.asarray(cached).reshape(sum(cache.layout.rows), -1)[held]
+        out[name] = full.reshape(-1)
+    return out
+
+
+
+def full_tables(state: CacheState, cache: FusedEmbeddingTables, configs) -> FusedEmbeddingTables:
+    """The group's full tables as NumPy buffers (``flushed_rows``), with the cache's step."""
+    flushed = flushed_rows(state, cache, configs)
+    rows = dataclasses.replace(state.rows, state=state.rows.state._replace(step=cache.step))
+    return _with_buffers(rows, list(flushed.values()))
+
+
+def stored(state: CacheState, full: FusedEmbeddingTables) -> CacheState:
+    """``state`` holding the full tables ``full`` in host memory, with its cache emptied (the
+    index forgets every row; its counters stay)."""
+    table = state.index.table
+    empty = hash_table.create(table.capacity, bucket_size=BUCKET_SIZE, dtype=table.keys.dtype)
+    rows = _with_buffers(state.rows, [jnp.asarray(b) for b in _buffers(full)])
+    return CacheState(state.index._replace(table=empty), _buffers_to_host(rows))
