@@ -508,6 +508,11 @@ def _restore_step(checkpointer, path: pathlib.Path, step: int, paths_leaves, *, 
         if "key_impl" in entry:
             array = jax.random.wrap_key_data(array, impl=entry["key_impl"])
             array = jax.device_put(array, _sharding(leaf, key))
+        elif _sharding(leaf, key).memory_kind in ("pinned_host", "unpinned_host") and (
+                jax.typeof(array).memory_space != jax.memory.Space.Host):
+            # orbax places a host-memory leaf in host memory but types it as device memory,
+            # which jit would then misread: a copy typed right (host-cached tables)
+            array = jax.device_put(array, _sharding(leaf, key), may_alias=False)
         leaves.append(array)
     if digested:
         for (key, entry, _), digest in zip(digested, _digests([a for *_, a in digested])[0]):

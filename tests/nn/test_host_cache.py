@@ -1,0 +1,231 @@
+"""Host-cached tables (EmbeddingBagConfig(placement="host_cached")): rows and optimizer
+state in host memory, a small cache in device memory, rows exchanged every step.
+
+Training equals the same collection with every table on the device (losses, rows and
+optimizer state after every step, evictions happening every step), for SGD, row-wise
+Adagrad and Adam, LRU and LFU; the row exchange's handlers equal its jnp reference; bad
+ids follow the bounds-check mode; a batch the cache cannot hold fails its step and keeps
+the model; checkpoints and the portable form carry the tables between placements."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxrec.parallel as par
+from jaxrec.checkpoint import restore_checkpoint, save_checkpoint
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, make_train_step
+from jaxrec.ops.host_cache import exchange_rows, exchange_rows_reference, in_host_memory, to_host_memory
+from jaxrec.optim import SGD, Adam, RowWiseAdagrad
+from jaxrec.serving import quantize
+from jaxrec.sparse import KeyedJaggedTensor
+
+B = 16
+ROWS = {"user": 1000, "user2": 1000, "item": 500, "d": 50}  # rows of each feature's table
+
+
+def tables(cached: bool, policy: str = "lru", cache_rows: int = 128):
+    kw = dict(placement="host_cached", cache_rows=cache_rows, cache_policy=policy) if cached else {}
+    return [EmbeddingBagConfig(name="t_user", num_embeddings=1000, embedding_dim=8, feature_names=["user", "user2"],
+                               **kw),
+            EmbeddingBagConfig(name="t_item", num_embeddings=500, embedding_dim=8, feature_names=["item"], **kw),
+            # MEAN: a lookup group of its own in both collections, so that their groups (and
+            # the order XLA sums the outputs in) are alike
+            EmbeddingBagConfig(name="t_dense", num_embeddings=50, embedding_dim=4, feature_names=["d"], pooling="mean")]
+
+
+class Model(nnx.Module):
+    def __init__(self, ebc):
+        self.ebc = ebc
+
+    def __call__(self, kjt):
+        return jnp.sum(jnp.tanh(self.ebc(kjt).values()), axis=1)
+
+
+def loss_fn(model, features, target):
+    return jnp.mean((model(features) - target) ** 2)
+
+
+def batch(rng, bad: int = 0):
+    """0-4 ids a bag (empty bags too), repeats; ``bad`` ids made out of range."""
+    lengths = rng.integers(0, 5, size=len(ROWS) * B)
+    ids = np.concatenate([rng.integers(0, rows, size=lengths[k * B:(k + 1) * B].sum())
+                          for k, rows in enumerate(ROWS.values())])
+    ids[rng.choice(ids.size, size=bad, replace=False)] = rng.choice([-3, 1000, 5000], size=bad)
+    return (KeyedJaggedTensor(list(ROWS), ids.astype(np.int32), lengths=lengths, capacity=256),
+            jnp.asarray(rng.normal(size=B), jnp.float32))
+
+
+def collection(cached: bool, optimizer, **kw):
+    policy = kw.pop("policy", "lru")
+    return Model(EmbeddingBagCollection(tables(cached, policy), optimizer=optimizer, rngs=nnx.Rngs(0), **kw))
+
+
+def trainer(model):
+    return make_train_step(loss_fn), nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+
+def assert_same_tables(got, want, exact: bool):
+    check = np.testing.assert_array_equal if exact else (
+        lambda a, b, err_msg="": np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=err_msg))
+    w_got, w_want = got.ebc.split_embedding_weights(), want.ebc.split_embedding_weights()
+    for name in w_want:
+        check(np.asarray(w_got[name]), np.asarray(w_want[name]), err_msg=name)
+    s_got, s_want = got.ebc.split_optimizer_states(), want.ebc.split_optimizer_states()
+    for name in s_want:
+        for k in s_want[name]:
+            check(np.asarray(s_got[name][k]), np.asarray(s_want[name][k]), err_msg=f"{name} {k}")
+
+
+@pytest.mark.parametrize("optimizer,policy", [
+    (RowWiseAdagrad(learning_rate=0.3), "lru"), (Adam(learning_rate=0.01), "lru"), (SGD(learning_rate=0.5), "lfu")])
+def test_training_equals_device_placement(platform, optimizer, policy):
+    exact = platform == "cpu"  # the GPU's fused update may sum a row's gradients in another order
+    cached, device = collection(True, optimizer, policy=policy), collection(False, optimizer)
+    (step_c, opt_c), (step_d, opt_d) = trainer(cached), trainer(device)
+    rng = np.random.default_rng(0)
+    evicted = 0
+    for s in range(10):
+        features, target = batch(rng)
+        got, want = step_c(cached, opt_c, features, target), step_d(device, opt_d, features, target)
+        np.testing.assert_allclose(got, want, rtol=0 if exact else 1e-6, err_msg=f"step {s}")
+        index = cached.ebc.caches[0].get_value().index
+        if s >= 5:  # the 128-row caches are full: every step evicts from both tables
+            assert (np.asarray(index.evicted) > evicted).all(), (s, index.evicted)
+        evicted = np.asarray(index.evicted)
+    assert_same_tables(cached, device, exact)
+    rows = cached.ebc.caches[0].get_value().rows
+    assert in_host_memory(rows.weights) and all(in_host_memory(getattr(rows.state, n))
+                                                for n in rows.config.state_names)
+    assert not in_host_memory(cached.ebc.tables[0].get_value().weights)  # the cache is on the device
+
+
+@pytest.mark.parametrize("dtype,width", [("float32", 8), ("float16", 3), ("bfloat16", 8)])
+def test_the_row_exchange_equals_its_reference(platform, dtype, width):
+    rng = np.random.default_rng(1)
+    cache_rows, host_rows, n = 40, 300, 32
+
+    def buffers(rows):  # the weights and a row-wise state
+        return [jnp.asarray(rng.normal(size=rows * width), dtype), jnp.asarray(rng.normal(size=rows), jnp.float32)]
+
+    cache, host = buffers(cache_rows), buffers(host_rows)
+    slots = rng.permutation(cache_rows + 10)[:n] - 5  # distinct, some out of the cache
+    slots[::4] = -1
+    picked = rng.permutation(host_rows + 20)[:2 * n] - 10  # distinct host rows, some outside
+    evict, load = picked[:n], picked[n:]
+    evict[::3] = -1
+    load[::5] = -1
+    args = [jnp.asarray(a, jnp.int32) for a in (slots, evict, load)]
+    kw = dict(cache_num_rows=cache_rows, host_num_rows=host_rows)
+    want = exchange_rows_reference(cache, host, *args, **kw)
+    run = jax.jit(lambda c, h, *a: exchange_rows(c, h, *a, backend="kernel", **kw), donate_argnums=(0, 1))
+    got = run([jnp.array(c) for c in cache], [to_host_memory(jnp.array(h)) for h in host], *args)
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert all(in_host_memory(h) for h in got[1])
+    # the reference itself, against NumPy: the evicted rows went out, the loaded came in
+    c0, h0 = np.asarray(cache[0]).reshape(cache_rows, width), np.asarray(host[0]).reshape(host_rows, width)
+    new_c, new_h = np.asarray(want[0][0]).reshape(cache_rows, width), np.asarray(want[1][0]).reshape(host_rows, width)
+    for s, e, ld in zip(slots, evict, load):
+        if 0 <= s < cache_rows:
+            if 0 <= e < host_rows:
+                np.testing.assert_array_equal(new_h[e], c0[s])
+            np.testing.assert_array_equal(new_c[s], h0[ld] if 0 <= ld < host_rows else c0[s])
+
+
+@pytest.mark.parametrize("mode", ["WARNING", "NONE"])
+def test_bad_ids_follow_the_bounds_check_mode(mode):
+    optimizer = RowWiseAdagrad(learning_rate=0.3)
+    cached = collection(True, optimizer, bounds_check_mode=mode)
+    device = collection(False, optimizer, bounds_check_mode=mode)
+    (step_c, opt_c), (step_d, opt_d) = trainer(cached), trainer(device)
+    rng = np.random.default_rng(2)
+    for s in range(4):
+        features, target = batch(rng, bad=5)
+        got, want = step_c(cached, opt_c, features, target), step_d(device, opt_d, features, target)
+        np.testing.assert_array_equal(got, want, err_msg=f"step {s}")
+    assert_same_tables(cached, device, exact=True)
+
+
+def test_a_batch_the_cache_cannot_hold_fails_its_step_and_keeps_the_model():
+    optimizer = RowWiseAdagrad(learning_rate=0.3)
+    model = collection(True, optimizer)
+    step, opt = trainer(model)
+    rng = np.random.default_rng(3)
+    step(model, opt, *batch(rng))
+    before = model.ebc.split_embedding_weights()
+    # 300 distinct users in one batch: more than the 128-row cache can hold
+    lengths = np.zeros(len(ROWS) * B, np.int64)
+    lengths[:B] = 300 // B + 1
+    ids = np.arange(lengths.sum(), dtype=np.int32)
+    features = KeyedJaggedTensor(list(ROWS), ids, lengths=lengths, capacity=512)
+    with pytest.raises(Exception, match=r"host-cached table 't_user': \d+ distinct ids of one batch found no row "
+                                         r"in its cache of 128 rows.*Raise the table's cache_rows"):
+        step(model, opt, features, jnp.ones(B))
+        step.check()
+    after = model.ebc.split_embedding_weights()
+    for name in before:
+        np.testing.assert_array_equal(after[name], before[name], err_msg=name)
+    step(model, opt, *batch(rng))  # a batch that fits trains on
+
+
+def test_checkpoints_and_the_portable_form_cross_placements(tmp_path):
+    optimizer = Adam(learning_rate=0.01)
+    rng = np.random.default_rng(4)
+    batches = [batch(rng) for _ in range(6)]
+    cached = collection(True, optimizer)
+    step, opt = trainer(cached)
+    for features, target in batches[:3]:
+        step(cached, opt, features, target)
+    # the NNX state, saved and restored into a fresh model: host buffers stay in host memory
+    save_checkpoint(tmp_path / "ckpt", 3, nnx.state(cached))
+    resumed = collection(True, optimizer)
+    state, _ = restore_checkpoint(tmp_path / "ckpt", nnx.state(resumed))
+    nnx.update(resumed, state)
+    assert in_host_memory(resumed.ebc.caches[0].get_value().rows.weights)
+    # the portable form, into a device-placed collection and back
+    device = collection(False, optimizer)
+    device.ebc.load_portable_tables(cached.ebc.portable_tables())
+    again = collection(True, optimizer)
+    again.ebc.load_portable_tables(device.ebc.portable_tables())
+    for other in (resumed, device, again):
+        assert_same_tables(other, cached, exact=True)
+    models = [cached, resumed, device, again]
+    trainers = [(step, opt)] + [trainer(m) for m in models[1:]]
+    for features, target in batches[3:]:
+        losses = [float(st(m, o, features, target)) for m, (st, o) in zip(models, trainers)]
+        assert len(set(losses)) == 1, losses
+    for other in models[1:]:
+        assert_same_tables(other, cached, exact=True)
+    served, _ = quantize(cached, "fp32")  # serving reads the tables with the cached rows over them
+    np.testing.assert_array_equal(served(batches[0][0]), cached(batches[0][0]))
+
+
+def test_bad_placements_are_refused_with_the_fix():
+    config = dict(name="t", num_embeddings=1000, embedding_dim=8, feature_names=["f"])
+    with pytest.raises(ValueError, match="placement must be one of"):
+        EmbeddingBagConfig(**config, placement="host")
+    with pytest.raises(ValueError, match="apply to placement='host_cached' only"):
+        EmbeddingBagConfig(**config, cache_rows=128)
+    with pytest.raises(ValueError, match="cache_policy must be one of"):
+        EmbeddingBagConfig(**config, placement="host_cached", cache_policy="fifo")
+    with pytest.raises(ValueError, match="cache_rows or cache_load_factor, not both"):
+        EmbeddingBagConfig(**config, placement="host_cached", cache_rows=128, cache_load_factor=0.1)
+    with pytest.raises(ValueError, match=r"cache_load_factor must lie in \(0, 1\]"):
+        EmbeddingBagConfig(**config, placement="host_cached", cache_load_factor=1.5)
+    with pytest.raises(ValueError, match="not TT, not dynamic"):
+        EmbeddingBagConfig(**config, placement="host_cached", tt=TTConfig(tt_ranks=(4,)))
+    cached = EmbeddingBagConfig(**config, placement="host_cached", cache_load_factor=0.3)
+    assert cached.cache_size() == 384  # 300 rounded up to buckets of 128
+    assert EmbeddingBagConfig(**config, placement="host_cached", cache_rows=5000).cache_size() == 1024
+    with pytest.raises(ValueError, match="give the collection a fused optimizer"):
+        EmbeddingBagCollection([cached], rngs=nnx.Rngs(0))
+    ebc = EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
+    plan = par.construct_plan([cached], {"t": par.table_wise(0)}, 2)
+    with pytest.raises(NotImplementedError, match="does not hold host-cached tables yet"):
+        par.shard(ebc, plan, mesh)
