@@ -15,6 +15,10 @@ each timed in this one process with the same dense part and dense optimizer (Ada
 - jaxrec, fused, dynamic: every table a dynamic vocabulary (``DynamicVocab()``, LRU, its
                   rows rounded up to a multiple of 128) fed the same ids, which its hash
                   index maps to slots in the step (docs/dynamic_vocab.md);
+- jaxrec, fused, host-cached: every table of more than 100k rows in host memory with an
+                  LRU cache of 10% of its rows on the device (``placement="host_cached"``,
+                  docs/host_memory.md); its run reports the cache's hit rate over the
+                  timed steps (give it fresh batches: ``--batches 64``);
 - plain JAX:      26 nnx.Embed-style tables (a gather per feature), optax.adagrad / sgd
                   over every parameter: the dense gradient of each table (XLA may turn
                   SGD's scatter into zeros + add into a scatter into the table);
@@ -34,8 +38,8 @@ Adagrad; variants: the whole step and its two halves, with float32 MLPs and, as
 dense part data parallel, ``--batch-size`` per GPU.
 
 A step's time is the median of 3 repeats of ``iters`` back-to-back steps (the host
-waits once per repeat) over 4 pre-generated batches already on the device; samples/s =
-batch / step time. Data loading is not part of it.
+waits once per repeat) over ``--batches`` (4) pre-generated batches already on the
+device; samples/s = batch / step time. Data loading is not part of it.
 """
 
 from __future__ import annotations
@@ -165,7 +169,11 @@ def build(variant, keys, sizes, batch_size, dtype="float32", dense_dtype=None):
     else:
         config = Adagrad(learning_rate=0.01) if "exact_adagrad" in variant else RowWiseAdagrad(
             learning_rate=0.01)
-        if variant.endswith(DYNAMIC):
+        if variant.endswith(HOST_CACHED):
+            tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM, feature_names=[k],
+                                         dtype=dtype, **(CACHED if n > LARGE else {}))
+                      for k, n in zip(keys, sizes)]
+        elif variant.endswith(DYNAMIC):
             tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=-(-n // 128) * 128, embedding_dim=DIM,
                                          feature_names=[k], dtype=dtype, dynamic=DynamicVocab())
                       for k, n in zip(keys, sizes)]
@@ -207,6 +215,8 @@ def _labels(model):
 UNGUARDED = "_unguarded"  # the same step with on_nonfinite="ignore": what the guard costs
 BF16_DENSE = "_bf16_dense"  # the MLPs, interaction and cross net computed in bfloat16 (dtype=)
 DYNAMIC = "_dynamic"  # every table a dynamic vocabulary
+HOST_CACHED = "_host_cached"  # every large table in host memory, a 10% cache on the device
+LARGE, CACHED = 100_000, {"placement": "host_cached", "cache_load_factor": 0.1}
 
 
 def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per_bag=None):
@@ -224,6 +234,8 @@ def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per
     compile_s = time.perf_counter() - start
     for i in range(3):
         jax.block_until_ready(step(model, optimizer, batches[i % len(batches)]))
+    cached = base.endswith(HOST_CACHED)
+    before = _cache_counts(model) if cached else None
     times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -240,6 +252,18 @@ def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per
         stats = model.sparse_arch.dynamic_statistics().values()
         placement["dynamic"] = {k: int(sum(int(s[k]) for s in stats))
                                 for k in ("size", "inserted", "evicted", "failed_inserts")}
+    if cached:  # the timed steps' misses against the distinct rows they looked up
+        after = _cache_counts(model)
+        stats = model.sparse_arch.cache_statistics()
+        looked_up = sum(_distinct_rows(batches[i % len(batches)], stats) for _ in range(3) for i in range(iters))
+        misses = after["inserted"] - before["inserted"]
+        placement["host_cached"] = {
+            "tables": sorted(stats),
+            "cache_rows": sum(t.cache_size() for t in model.sparse_arch.table_configs if t.name in stats),
+            "host_rows": int(sum(n for k, n in zip(keys, sizes) if f"t_{k}" in stats)),
+            "distinct_rows_per_step": looked_up / (3 * iters), "misses_per_step": misses / (3 * iters),
+            "evictions_per_step": (after["evicted"] - before["evicted"]) / (3 * iters),
+            "hit_rate": 1 - misses / looked_up}
     if mesh is not None:  # where the planner put each table, and each device's ids per sample
         plan = next(m for _, m in nnx.iter_modules(model) if isinstance(m, par.ShardedEmbeddingBagCollection)).plan
         placement["plan"] = {name: [ps.sharding_type.value, [s.device for s in ps.shards]]
@@ -259,12 +283,26 @@ def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per
             "repeats_ms": [t * 1e3 for t in times]}
 
 
+def _cache_counts(model) -> dict[str, int]:
+    stats = model.sparse_arch.cache_statistics().values()
+    return {k: sum(int(s[k]) for s in stats) for k in ("inserted", "evicted")}
+
+
+def _distinct_rows(batch, tables) -> int:
+    """Distinct ids of ``batch`` in the host-cached ``tables`` (one id per bag: feature k's
+    ids are the k-th block of B values)."""
+    values, size = np.asarray(batch.sparse.values()), batch.batch_size
+    keys = batch.sparse.keys()
+    return sum(np.unique(values[k * size:(k + 1) * size]).size for k, key in enumerate(keys) if f"t_{key}" in tables)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
     p.add_argument("--quick", action="store_true", help="small tables and batch (a smoke test)")
     p.add_argument("--batch-size", type=int, default=65536)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--batches", type=int, default=4, help="distinct pre-generated batches, cycled")
     p.add_argument("--only", help="comma-separated variants")
     p.add_argument("--shape", choices=["kaggle", "mlperf"], default="kaggle",
                    help="kaggle: one-hot Criteo Kaggle tables in float32; mlperf: MLPerf DLRM-DCNv2's "
@@ -289,7 +327,7 @@ def main(argv=None) -> int:
                     "dcn_dense_only", "dcn_dense_only" + BF16_DENSE]
     else:
         keys, sizes, dtype = log.keys, log.table_sizes, "float32"
-        batches = list(log.batches(batch_size * args.devices, 4))
+        batches = list(log.batches(batch_size * args.devices, args.batches))
         variants = ["fused_rowwise_adagrad", "fused_rowwise_adagrad" + UNGUARDED,
                     "fused_rowwise_adagrad" + DYNAMIC, "fused_exact_adagrad",
                     "dcn_fused_rowwise_adagrad", "plain_sgd", "plain_adagrad", "embeddings_only", "dense_only"]
@@ -307,7 +345,7 @@ def main(argv=None) -> int:
     result.update(shape=args.shape, devices=args.devices, batch_size_per_device=batch_size,
                   batch_size=batch_size * args.devices, embedding_dim=DIM, table_dtype=dtype,
                   bottom_mlp=BOTTOM, top_mlp=TOP, table_rows=list(sizes), total_rows=int(sum(sizes)),
-                  synthetic_batch_generation_s=data_s / 4, runs=[])
+                  batches=len(batches), synthetic_batch_generation_s=data_s / len(batches), runs=[])
     if args.shape == "mlperf":
         result.update(multi_hot_sizes=MLPERF_MULTI_HOT, ids_per_sample=sum(MLPERF_MULTI_HOT),
                       mlperf_batch_per_gpu=MLPERF_GLOBAL_BATCH // MLPERF_GPUS)

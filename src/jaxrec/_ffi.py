@@ -36,7 +36,7 @@ TARGETS = {
         "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCpu",
         "jaxrec_hash_find": "JaxrecHashFindCpu",
         "jaxrec_hash_insert": "JaxrecHashInsertCpu",
-        "jaxrec_cache_exchange": "JaxrecCacheExchangeCpu",
+        "jaxrec_copy_rows": "JaxrecCopyRowsCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
@@ -48,7 +48,7 @@ TARGETS = {
         "jaxrec_quantized_lookup": "JaxrecQuantizedLookupCuda",
         "jaxrec_hash_find": "JaxrecHashFindCuda",
         "jaxrec_hash_find_or_insert": "JaxrecHashFindOrInsertCuda",
-        "jaxrec_cache_exchange": "JaxrecCacheExchangeCuda",
+        "jaxrec_copy_rows": "JaxrecCopyRowsCuda",
     },
 }
 
@@ -151,6 +151,17 @@ def custom_call_targets() -> list[str]:
 def has_kernel(platform: str) -> bool:
     """Whether jaxrec has compiled handlers for `platform` ('cpu' or 'cuda')."""
     return platform in _LIBRARIES and _load(platform)
+
+
+def call_kernel(kernel: Callable[..., Any], *args: Any) -> Any:
+    """``kernel(*args)``, whose FFI targets XLA resolves for the platform being compiled for:
+    no ``platform_dependent`` conditional around it (one that takes operands in host memory
+    must not sit inside a conditional, which XLA's host offloading cannot follow) and no
+    reference. Needs the handlers of that platform."""
+    if not any(has_kernel(p) for p in _LIBRARIES):
+        raise RuntimeError("this op needs jaxrec's compiled handlers, which are missing "
+                           "(jaxrec.build_info()); " + _REBUILD_HINT)
+    return kernel(*args)
 
 
 def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],

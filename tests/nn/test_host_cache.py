@@ -19,7 +19,7 @@ from flax import nnx
 import jaxrec.parallel as par
 from jaxrec.checkpoint import restore_checkpoint, save_checkpoint
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, make_train_step
-from jaxrec.ops.host_cache import exchange_rows, exchange_rows_reference, in_host_memory, to_host_memory
+from jaxrec.ops.host_cache import exchange_rows, in_host_memory, to_host_memory
 from jaxrec.optim import SGD, Adam, RowWiseAdagrad
 from jaxrec.serving import quantize
 from jaxrec.sparse import KeyedJaggedTensor
@@ -121,7 +121,7 @@ def test_the_row_exchange_equals_its_reference(platform, dtype, width):
     load[::5] = -1
     args = [jnp.asarray(a, jnp.int32) for a in (slots, evict, load)]
     kw = dict(cache_num_rows=cache_rows, host_num_rows=host_rows)
-    want = exchange_rows_reference(cache, host, *args, **kw)
+    want = exchange_rows(cache, host, *args, backend="reference", **kw)
     run = jax.jit(lambda c, h, *a: exchange_rows(c, h, *a, backend="kernel", **kw), donate_argnums=(0, 1))
     got = run([jnp.array(c) for c in cache], [to_host_memory(jnp.array(h)) for h in host], *args)
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):

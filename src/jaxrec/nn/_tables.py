@@ -206,6 +206,16 @@ class GroupedTables(TableCollection):
         ``inserted``, ``evicted``, ``failed_inserts``, ``unknown_lookups`` (docs/dynamic_vocab.md)."""
         return {name: statistics(self.dynamic_index(name)) for name in self._indices()}
 
+    def cache_statistics(self) -> dict[str, dict[str, jax.Array]]:
+        """``{table name: statistics}`` of the host-cached tables: ``size`` (rows cached),
+        ``load_factor``, ``inserted`` (rows loaded: misses) and ``evicted`` (rows written
+        back) since the collection was created (docs/host_memory.md)."""
+        out = {}
+        for i, g in enumerate(self.groups):
+            if g.host_cached:
+                out.update(host_cache.statistics(self._cache(i).get_value(), g.tables))
+        return out
+
     def dynamic_changes(self, table: str, since_step: int) -> dict[str, np.ndarray]:
         """``{"ids", "rows"}`` (NumPy) of dynamic table ``table``: the ids that training saw
         at fused step ``since_step`` or later (inserted or updated since) and their rows now;

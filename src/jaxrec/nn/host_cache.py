@@ -230,3 +230,15 @@ def stored(state: CacheState, full: FusedEmbeddingTables) -> CacheState:
     empty = hash_table.create(table.capacity, bucket_size=BUCKET_SIZE, dtype=table.keys.dtype)
     rows = _with_buffers(state.rows, [jnp.asarray(b) for b in _buffers(full)])
     return CacheState(state.index._replace(table=empty), _buffers_to_host(rows))
+
+
+def statistics(state: CacheState, configs) -> dict[str, dict[str, jax.Array]]:
+    """``{table: {size, load_factor, inserted, evicted}}``: the rows cached now, their share of
+    the cache, and since the collection was created the rows loaded into it (misses) and
+    written back out of it."""
+    out = {}
+    for t, (c, r) in enumerate(zip(configs, ranges(configs))):
+        part = hash_table.HashTable(*(x[r.first:r.first + r.local] for x in state.index.table))
+        out[c.name] = {**hash_table.stats(part), "inserted": state.index.inserted[t],
+                       "evicted": state.index.evicted[t]}
+    return out

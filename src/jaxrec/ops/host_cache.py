@@ -10,11 +10,15 @@ some rows in device memory. ``exchange_rows`` moves rows between the two::
         cache[cache_rows[i]] = host[load_rows[i]]      (if load_rows[i] >= 0: load)
 
 for each (cache, host) pair of buffers (the weights, each optimizer-state buffer), in
-place. The entries must name distinct cache rows and distinct host rows; rows outside a
-buffer are skipped. The host buffers are only ever touched by this op (and by the fused
-kernels, in place): XLA cannot run ordinary device operations on host memory, and JAX
-refuses a gather that mixes memory spaces, so there is no jnp path for them. The jnp
-reference (``exchange_rows_reference``) takes device arrays, for the tests.
+place: two ``copy_rows`` per pair, the write-backs first. The entries must name distinct
+cache rows and distinct host rows; rows outside a buffer are skipped.
+
+The host buffers are only ever touched by the handlers, never by a jnp operation: XLA
+cannot run device operations on host memory, and JAX refuses a gather that mixes memory
+spaces. So a buffer in host memory needs the compiled handlers, called without the
+``platform_dependent`` conditional of other ops (``_ffi.call_kernel``), one result per
+call, and each result marked as host memory (``to_host_memory``): what XLA's host
+offloading can follow. The jnp reference takes device arrays, for the tests.
 """
 
 from __future__ import annotations
@@ -44,67 +48,61 @@ def to_host_memory(x: jax.Array) -> jax.Array:
     return jax.device_put(x, x.sharding.with_memory_kind(HOST_MEMORY))
 
 
+def copy_rows(dst: jax.Array, dst_rows: jax.Array, src: jax.Array, src_rows: jax.Array, *, dst_num_rows: int,
+              src_num_rows: int, backend: str = "auto") -> jax.Array:
+    """``dst`` with ``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` whose two rows
+    lie in their buffers: flat buffers of ``dst_num_rows`` and ``src_num_rows`` rows of one
+    width and dtype; ``dst_rows`` (distinct where in range), ``src_rows``: ``int32[N]``.
+    Donate ``dst`` to update it in place. backend: as ``jaxrec._ffi.dispatch``."""
+    dst_rows, src_rows = jnp.asarray(dst_rows, jnp.int32), jnp.asarray(src_rows, jnp.int32)
+    if dst_rows.ndim != 1 or dst_rows.shape != src_rows.shape:
+        raise ValueError(f"dst_rows and src_rows must be 1-D and alike, got shapes {list(dst_rows.shape)} and "
+                         f"{list(src_rows.shape)}")
+    width = dst.size // dst_num_rows if dst_num_rows > 0 else 0
+    if (src.dtype != dst.dtype or width < 1 or dst.size != width * dst_num_rows
+            or src.size != width * src_num_rows):
+        raise ValueError(f"src {src.dtype}{list(src.shape)} and dst {dst.dtype}{list(dst.shape)} must hold "
+                         f"src_num_rows={src_num_rows} and dst_num_rows={dst_num_rows} rows of one width and dtype")
+
+    def kernel(dst_rows, src_rows, src, dst):
+        call = jax.ffi.ffi_call("jaxrec_copy_rows", jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+                                input_output_aliases={3: 0})
+        return call(dst_rows, src_rows, src, dst, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows)
+
+    def reference(dst_rows, src_rows, src, dst):
+        ok = (dst_rows >= 0) & (dst_rows < dst_num_rows) & (src_rows >= 0) & (src_rows < src_num_rows)
+        rows = src.reshape(src_num_rows, width)[jnp.where(ok, src_rows, 0)]
+        return dst.reshape(dst_num_rows, width).at[jnp.where(ok, dst_rows, dst_num_rows)].set(
+            rows, mode="drop").reshape(dst.shape)
+
+    if not (in_host_memory(src) or in_host_memory(dst)):
+        return _ffi.dispatch(kernel, reference, dst_rows, src_rows, src, dst, backend=backend)
+    if backend == "reference":
+        raise ValueError("copy_rows' reference takes buffers in device memory only")
+    out = _ffi.call_kernel(kernel, dst_rows, src_rows, src, dst)
+    return to_host_memory(out) if in_host_memory(dst) else out
+
+
 def exchange_rows(cache: Sequence[jax.Array], host: Sequence[jax.Array], cache_rows: jax.Array,
                   evict_rows: jax.Array, load_rows: jax.Array, *, cache_num_rows: int, host_num_rows: int,
                   backend: str = "auto") -> tuple[list[jax.Array], list[jax.Array]]:
-    """``(cache, host)`` after the exchange (module doc): flat buffers of ``cache_num_rows``
-    and ``host_num_rows`` rows, pair ``k`` of one dtype and width. ``cache_rows``,
-    ``evict_rows``, ``load_rows``: ``int32[N]``. Donate the buffers to update them in
-    place. Buffers in host memory need the compiled handlers (there is no jnp path)."""
-    cache, host = list(cache), list(host)
+    """``(cache, host)`` after the exchange (module doc): ``cache[k]`` and ``host[k]`` flat
+    buffers of ``cache_num_rows`` and ``host_num_rows`` rows of one dtype and width;
+    ``cache_rows``, ``evict_rows``, ``load_rows``: ``int32[N]``. Donate the buffers to
+    update them in place."""
     if not cache or len(cache) != len(host):
         raise ValueError(f"cache and host must be lists of the same (positive) length, got {len(cache)} "
                          f"and {len(host)} buffers")
-    rows = [jnp.asarray(r, jnp.int32) for r in (cache_rows, evict_rows, load_rows)]
-    if any(r.ndim != 1 or r.shape != rows[0].shape for r in rows):
-        raise ValueError(f"cache_rows, evict_rows and load_rows must be 1-D and alike, got shapes "
-                         f"{[list(r.shape) for r in rows]}")
-    _check_pairs(cache, host, cache_num_rows, host_num_rows)
-    on_host = [in_host_memory(b) for b in cache + host]
-    if any(on_host) and backend == "auto":
-        backend = "kernel"  # the reference cannot read host memory
-    pairs = [b for pair in zip(cache, host) for b in pair]
-
-    def kernel(*operands):
-        call = jax.ffi.ffi_call(
-            "jaxrec_cache_exchange", [jax.ShapeDtypeStruct(b.shape, b.dtype) for b in pairs],
-            input_output_aliases={3 + k: k for k in range(len(pairs))})
-        return call(*operands, cache_num_rows=cache_num_rows, host_num_rows=host_num_rows)
-
-    def reference(*operands):
-        out = exchange_rows_reference(operands[3::2], operands[4::2], *operands[:3],
-                                      cache_num_rows=cache_num_rows, host_num_rows=host_num_rows)
-        return [b for pair in zip(*out) for b in pair]
-
-    out = _ffi.dispatch(kernel, reference, *rows, *pairs, backend=backend)
-    # The handler's results alias its operands; where an operand was in host memory, so is
-    # its result (without the mark XLA would move it to device memory).
-    placed = [h for pair in zip(on_host[:len(cache)], on_host[len(cache):]) for h in pair]
-    out = [to_host_memory(b) if h else b for b, h in zip(out, placed)]
-    return out[0::2], out[1::2]
-
-
-def exchange_rows_reference(cache, host, cache_rows, evict_rows, load_rows, *, cache_num_rows: int,
-                            host_num_rows: int):
-    """``exchange_rows`` in jnp, on device arrays."""
-    live = (cache_rows >= 0) & (cache_rows < cache_num_rows)
-    slot = jnp.where(live, cache_rows, 0)
-    evict = jnp.where(live & (evict_rows >= 0) & (evict_rows < host_num_rows), evict_rows, host_num_rows)
-    load = live & (load_rows >= 0) & (load_rows < host_num_rows)
+    cache_rows, evict_rows, load_rows = (jnp.asarray(r, jnp.int32) for r in (cache_rows, evict_rows, load_rows))
+    live = cache_rows >= 0
+    write_back = jnp.where(live, evict_rows, -1)
+    load_into = jnp.where(live & (load_rows >= 0), cache_rows, -1)
     new_cache, new_host = [], []
     for c, h in zip(cache, host):
-        c2, h2 = c.reshape(cache_num_rows, -1), h.reshape(host_num_rows, -1)
-        h2 = h2.at[evict].set(c2[slot], mode="drop")
-        c2 = c2.at[jnp.where(load, slot, cache_num_rows)].set(h2[jnp.where(load, load_rows, 0)], mode="drop")
-        new_cache.append(c2.reshape(c.shape))
-        new_host.append(h2.reshape(h.shape))
+        h = copy_rows(h, write_back, c, cache_rows, dst_num_rows=host_num_rows, src_num_rows=cache_num_rows,
+                      backend=backend)
+        c = copy_rows(c, load_into, h, load_rows, dst_num_rows=cache_num_rows, src_num_rows=host_num_rows,
+                      backend=backend)
+        new_cache.append(c)
+        new_host.append(h)
     return new_cache, new_host
-
-
-def _check_pairs(cache, host, cache_num_rows: int, host_num_rows: int) -> None:
-    for k, (c, h) in enumerate(zip(cache, host)):
-        width = c.size // cache_num_rows
-        if c.dtype != h.dtype or width < 1 or c.size != width * cache_num_rows or h.size != width * host_num_rows:
-            raise ValueError(f"buffer pair {k}: cache {c.dtype}{list(c.shape)} and host {h.dtype}{list(h.shape)} "
-                             f"must hold cache_num_rows={cache_num_rows} and host_num_rows={host_num_rows} "
-                             "rows of one width and dtype")
