@@ -158,7 +158,7 @@ def call_kernel(kernel: Callable[..., Any], *args: Any) -> Any:
     no ``platform_dependent`` conditional around it (one that takes operands in host memory
     must not sit inside a conditional, which XLA's host offloading cannot follow) and no
     reference. Needs the handlers of that platform."""
-    if not any(has_kernel(p) for p in _LIBRARIES):
+    if not any([has_kernel(p) for p in _LIBRARIES]):  # every built library loaded (no short cut)
         raise RuntimeError("this op needs jaxrec's compiled handlers, which are missing "
                            "(jaxrec.build_info()); " + _REBUILD_HINT)
     return kernel(*args)

@@ -104,6 +104,24 @@ def test_training_equals_device_placement(platform, optimizer, policy):
     assert not in_host_memory(cached.ebc.tables[0].get_value().weights)  # the cache is on the device
 
 
+def test_evaluation_caches_rows_and_reads_them_alike(platform):
+    optimizer = RowWiseAdagrad(learning_rate=0.3)
+    cached, device = collection(True, optimizer), collection(False, optimizer)
+    (step_c, opt_c), (step_d, opt_d) = trainer(cached), trainer(device)
+    rng = np.random.default_rng(5)
+    for _ in range(3):
+        features, target = batch(rng)
+        step_c(cached, opt_c, features, target)
+        step_d(device, opt_d, features, target)
+    forward = nnx.jit(lambda m, f: m(f))
+    for k in range(4):  # eager and jitted lookups, each caching (and evicting) rows
+        features, _ = batch(rng)
+        run = forward if k % 2 else (lambda m, f: m(f))
+        np.testing.assert_allclose(run(cached, features), run(device, features), rtol=1e-6, err_msg=str(k))
+    assert int(cached.ebc.cache_statistics()["t_user"]["evicted"]) > 0
+    assert_same_tables(cached, device, exact=platform == "cpu")
+
+
 @pytest.mark.parametrize("dtype,width", [("float32", 8), ("float16", 3), ("bfloat16", 8)])
 def test_the_row_exchange_equals_its_reference(platform, dtype, width):
     rng = np.random.default_rng(1)

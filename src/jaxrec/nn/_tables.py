@@ -278,6 +278,9 @@ class GroupedTables(TableCollection):
         rows = jnp.asarray(full.rows, values.dtype)[0 if table_of is None else table_of]
         valid = (jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]) & (values >= 0) & (values < rows)
         slots, table = cache_rows_for(self._cache(i), table, group.tables, values, valid, table_of)
+        # The cache now holds the rows the index says it does, in evaluation too (with no
+        # backward to hand the tables back); a train step takes its tables from the backward.
+        self.tables[i].set_value(table)
         if table_of is not None:  # group rows -> each table's rows
             slots = jnp.where(slots >= 0, slots - jnp.asarray(group.layout.row_offsets, jnp.int32)[table_of], -1)
         kwargs["bounds_check_mode"] = BoundsCheckMode.NONE

@@ -11,6 +11,7 @@ from jaxrec.train._config import (
     DENSE_OPTIMIZERS,
     MODELS,
     PATIENCE,
+    PLACEMENTS,
     POSITIVE_THRESHOLD,
     RATINGS_VAL_FRACTION,
     RATINGS_WEIGHT_DECAY,
@@ -66,6 +67,15 @@ def _parser() -> argparse.ArgumentParser:
                         "readers use for 'no id'), so the run turns on jax_enable_x64; the model "
                         "still computes in float32. A value of 2**63 or more is an error, never "
                         "folded (default: %(default)s)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
+                   help="device keeps every table in device memory; host_cached keeps each dense "
+                        "table whose cache (--cache-load-factor of its rows, in buckets of 128) is "
+                        "smaller than the table and holds at least two batches of ids in host "
+                        "memory, with that cache of its most recently used rows in device memory "
+                        "(default: %(default)s)")
+    p.add_argument("--cache-load-factor", type=float, default=d.cache_load_factor,
+                   help="--placement host_cached: each cache's rows as a share of its table's "
+                        "(default: %(default)s)")
     p.add_argument("--tt-ranks", type=_ints, default=d.tt_ranks, metavar="R1,R2",
                    help="TT-compress the tables of >= --tt-min-rows rows with these ranks")
     p.add_argument("--tt-min-rows", type=int, default=d.tt_min_rows)

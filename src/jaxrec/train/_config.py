@@ -13,6 +13,7 @@ NONFINITE_POLICIES = {"stop": "raise", "skip": "skip"}  # -> the train step's on
 CTR_MODELS, RATING_MODELS = ("dlrm", "dcn"), ("mf", "two_tower")
 TASKS = ("ctr", "ratings", "retrieval")  # ctr: click data; ratings, retrieval: movielens
 RETRIEVAL_LOSSES = ("softmax", "bpr")
+PLACEMENTS = ("device", "host_cached")  # where the tables live (jaxrec.nn.EmbeddingBagConfig.placement)
 VOCABS = ("modulo", "dynamic")  # click data's values: hashed modulo the rows, or raw ids (_vocab.py)
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 # Table optimizers by FBGEMM's names (lower case, without EXACT_); "plain" keeps the tables
@@ -36,9 +37,9 @@ TABLE_OPTIMIZERS = {
 RESUME_MUST_MATCH = ("data", "task", "model", "seed", "table_optimizer", "dense_optimizer",
                      "batch_size", "embedding_dim", "max_rows", "tt_ranks", "tt_min_rows",
                      "eval_batches", "val_fraction", "positive_threshold", "retrieval_loss",
-                     "top_k", "side_features", "vocab")
+                     "top_k", "side_features", "vocab", "placement", "cache_load_factor")
 # A setting that a checkpoint written before its flag existed ran with (the one behaviour then).
-RESUME_MISSING = {"vocab": "modulo"}
+RESUME_MISSING = {"vocab": "modulo", "placement": "device", "cache_load_factor": 0.2}
 # Applied to the restored state (the rates), read by the loss each step (weight_decay,
 # temperature), or by the loop at each evaluation (patience: the count restarts from the
 # restored curve).
@@ -94,6 +95,12 @@ class TrainConfig:
     (each value its own raw int64 id, the tables dynamic vocabularies of the same rows
     rounded down to buckets of 128, at least one, LRU eviction; the run turns on ``jax_enable_x64``).
     ``_vocab.py``."""
+    placement: str = "device"
+    """``device`` or ``host_cached``: each dense (not TT, not dynamic) table whose cache of
+    ``cache_load_factor`` of its rows is smaller than the table and holds two batches of ids
+    lives in host memory with that cache in device memory (docs/host_memory.md,
+    ``_task_base.host_cached``); the others stay on the device."""
+    cache_load_factor: float = 0.2
     tt_ranks: tuple[int, ...] = ()
     """TT-compress (FBTT) every table of at least ``tt_min_rows`` rows with these inner
     ranks, e.g. (8, 8) for three cores; () keeps all tables dense. A TT table trains with
@@ -225,6 +232,7 @@ class TrainConfig:
             object.__setattr__(self, "patience", PATIENCE if self.has_validation else 0)
         self._check_retrieval()
         self._check_vocab()
+        self._check_placement()
         if self.on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {tuple(NONFINITE_POLICIES)}, got "
                              f"{self.on_nonfinite!r}")
@@ -290,6 +298,24 @@ class TrainConfig:
             why = "makes every table a dynamic vocabulary, and a table is either TT or dynamic: drop --tt-ranks"
         if why:
             raise ValueError(f"--vocab dynamic {why}")
+
+    def _check_placement(self) -> None:
+        """``placement``: one of ``PLACEMENTS``; host-cached tables need a fused optimizer."""
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"placement must be one of {PLACEMENTS}, got {self.placement!r}")
+        factor = self.cache_load_factor
+        if not (isinstance(factor, (int, float)) and 0 < factor <= 1):
+            raise ValueError(f"cache_load_factor must lie in (0, 1], got {factor!r}: pass e.g. "
+                             "--cache-load-factor 0.2")
+        if self.placement == "device":
+            return
+        if self.table_optimizer == "plain":
+            raise ValueError("--placement host_cached needs a fused table optimizer (a cached row's "
+                             "optimizer state moves with it): drop --table-optimizer plain (the "
+                             "default is rowwise_adagrad)")
+        if self.vocab == "dynamic":
+            raise ValueError("--placement host_cached places dense tables, and --vocab dynamic makes "
+                             "every table a dynamic vocabulary: drop one of them")
 
     def resume_differences(self, saved: dict) -> tuple[list[str], list[str]]:
         """``(refused, applied)``: this config's differences from a checkpoint's ``saved``

@@ -137,9 +137,11 @@ class _Run:
             # another program than one whose are not. Without this a resumed run compiled
             # its step twice (some inputs restored, then all committed by the first step)
             # and never the fresh run's program.
+            # Each array keeps its memory (host-cached tables stay in host memory).
             device = jax.devices()[0]
             for holder in (self.model, self.optimizer):
-                nnx.update(holder, jax.device_put(nnx.state(holder), device))
+                nnx.update(holder, jax.tree.map(lambda x: jax.device_put(x, jax.sharding.SingleDeviceSharding(
+                    device, memory_kind=x.sharding.memory_kind)), nnx.state(holder)))
         self.start = self.step
         self.train_step = make_train_step(self.task.loss_fn,
                                           on_nonfinite=NONFINITE_POLICIES[config.on_nonfinite])

@@ -1,0 +1,73 @@
+"""``jaxrec train --placement host_cached``: the dense tables a cache of
+``--cache-load-factor`` of their rows would not hold whole (and that hold two batches of
+ids) live in host memory with that cache on the device; the run trains, resumes exactly
+and refuses what it cannot do."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxrec.checkpoint import restore_checkpoint
+from jaxrec.ops.host_cache import in_host_memory
+from jaxrec.train import TrainConfig, main
+from jaxrec.train._loop import DENSE_OPTIMIZERS, checkpoint_state
+from jaxrec.train._tasks import build_task
+
+FLAGS = ["--data", "synthetic", "--placement", "host_cached", "--batch-size", "32", "--max-rows", "500",
+         "--embedding-dim", "8", "--eval-every", "4", "--eval-batches", "2"]
+
+
+def checkpoint(config: TrainConfig, directory, step: int):
+    import optax  # noqa: F401  (the dense optimizer's state)
+    from flax import nnx
+
+    task = build_task(config)
+    tx = DENSE_OPTIMIZERS[config.dense_optimizer](config.dense_learning_rate)
+    target = checkpoint_state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
+    state, _ = restore_checkpoint(directory, target, step=step)
+    return state
+
+
+def test_a_host_cached_run_trains_and_resumes_exactly(tmp_path, capsys):
+    config = TrainConfig(placement="host_cached", batch_size=32, max_rows=500, embedding_dim=8)
+    ebc = build_task(config).model.sparse_arch
+    # host-cached: the tables whose cache (0.2 of the rows, in buckets of 128) is smaller
+    # than the table and holds two batches of 32 ids; the others stay on the device
+    cached = {t.name: 64 <= t.cache_size() < t.num_embeddings for t in ebc.table_configs
+              if t.placement == "host_cached"}
+    assert len(cached) > 1 and all(cached.values())
+    assert any(t.placement == "device" for t in ebc.table_configs)
+    assert in_host_memory(ebc.caches[0].get_value().rows.weights)
+
+    assert main([*FLAGS, "--steps", "8", "--checkpoint-dir", str(tmp_path / "a"),
+                 "--out-dir", str(tmp_path / "out_a")]) == 0
+    assert main([*FLAGS, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"),
+                 "--out-dir", str(tmp_path / "out_b")]) == 0
+    assert main([*FLAGS, "--steps", "8", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                 "--out-dir", str(tmp_path / "out_b")]) == 0
+    whole, resumed = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("out_a", "out_b"))
+    assert resumed["final"] == whole["final"]
+    leaves_a, leaves_b = (jax.tree.leaves(checkpoint(config, tmp_path / d, 8)) for d in ("a", "b"))
+    assert len(leaves_a) == len(leaves_b)
+    for x, y in zip(leaves_a, leaves_b):
+        np.testing.assert_array_equal(x, y)
+    # a resumed run must keep the placement
+    capsys.readouterr()
+    assert main([*FLAGS[:2], *FLAGS[4:], "--steps", "9", "--checkpoint-dir", str(tmp_path / "b"),
+                 "--resume", "--out-dir", str(tmp_path / "out_c")]) != 0
+    assert "--placement host_cached -> device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(placement="host"), r"placement must be one of \('device', 'host_cached'\), got 'host'"),
+    (dict(placement="host_cached", table_optimizer="plain"), "needs a fused table optimizer"),
+    (dict(placement="host_cached", vocab="dynamic"), "drop one of them"),
+    (dict(placement="host_cached", cache_load_factor=0.0), r"cache_load_factor must lie in \(0, 1\]"),
+])
+def test_bad_placements_are_refused(changes, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**changes)
