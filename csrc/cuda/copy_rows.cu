@@ -1,6 +1,6 @@
 // Row copies between buffers on the GPU (csrc/common/copy_rows.h). A buffer may be pinned
 // host memory (JAX's "pinned_host"), which the kernel reads or writes over PCIe directly;
-// a warp moves kRowsPerWarp rows at once, 16 bytes a lane where the rows allow.
+// a warp moves one row, 16 bytes a lane where the rows allow.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -12,40 +12,21 @@ namespace {
 
 constexpr int kWarpsPerBlock = 8;
 
-constexpr int kRowsPerWarp = 4;  // rows whose loads a lane has in flight at once (PCIe latency)
-
 template <typename Word>
 __global__ void CopyRowsKernel(const int32_t* __restrict__ dst_rows, const int32_t* __restrict__ src_rows,
                                int64_t n, const Word* src, Word* dst, int64_t row_words, int64_t src_num_rows,
                                int64_t dst_num_rows) {
-  const int64_t step = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock * kRowsPerWarp;
-  for (int64_t first = (blockIdx.x * kWarpsPerBlock + threadIdx.y) * kRowsPerWarp; first < n; first += step) {
-    int64_t d[kRowsPerWarp], s[kRowsPerWarp];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int64_t i = first + r;
-      d[r] = i < n ? dst_rows[i] : -1;
-      s[r] = i < n ? src_rows[i] : -1;
-      if (d[r] >= dst_num_rows || s[r] < 0 || s[r] >= src_num_rows) d[r] = -1;
-    }
-    for (int64_t w = threadIdx.x; w < row_words; w += 32) {
-      Word v[kRowsPerWarp];
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (d[r] >= 0) v[r] = src[s[r] * row_words + w];
-      }
-#pragma unroll
-      for (int r = 0; r < kRowsPerWarp; ++r) {
-        if (d[r] >= 0) dst[d[r] * row_words + w] = v[r];
-      }
-    }
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarpsPerBlock;
+  for (int64_t i = blockIdx.x * kWarpsPerBlock + threadIdx.y; i < n; i += warps) {
+    const int64_t d = dst_rows[i], s = src_rows[i];
+    if (d < 0 || d >= dst_num_rows || s < 0 || s >= src_num_rows) continue;
+    for (int64_t w = threadIdx.x; w < row_words; w += 32) dst[d * row_words + w] = src[s * row_words + w];
   }
 }
 
 template <typename Word>
 void Launch(cudaStream_t stream, const RowCopy& c, int64_t src_num_rows, int64_t dst_num_rows) {
-  const int64_t per_block = kWarpsPerBlock * kRowsPerWarp;
-  const int64_t blocks = std::min<int64_t>((c.n + per_block - 1) / per_block, 8192);
+  const int64_t blocks = std::min<int64_t>((c.n + kWarpsPerBlock - 1) / kWarpsPerBlock, 8192);
   CopyRowsKernel<Word><<<blocks, dim3(32, kWarpsPerBlock), 0, stream>>>(
       c.dst_rows, c.src_rows, c.n, reinterpret_cast<const Word*>(c.src), reinterpret_cast<Word*>(c.dst),
       c.row_bytes / static_cast<int64_t>(sizeof(Word)), src_num_rows, dst_num_rows);
