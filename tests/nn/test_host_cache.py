@@ -18,7 +18,7 @@ from flax import nnx
 
 import jaxrec.parallel as par
 from jaxrec.checkpoint import restore_checkpoint, save_checkpoint
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, make_train_step
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, _memory, make_train_step
 from jaxrec.ops.host_cache import exchange_rows, in_host_memory, to_host_memory
 from jaxrec.optim import SGD, Adam, RowWiseAdagrad
 from jaxrec.serving import quantize
@@ -223,7 +223,7 @@ def test_checkpoints_and_the_portable_form_cross_placements(tmp_path):
     np.testing.assert_array_equal(served(batches[0][0]), cached(batches[0][0]))
 
 
-def test_bad_placements_are_refused_with_the_fix():
+def test_bad_placements_are_refused_with_the_fix(monkeypatch):
     config = dict(name="t", num_embeddings=1000, embedding_dim=8, feature_names=["f"])
     with pytest.raises(ValueError, match="placement must be one of"):
         EmbeddingBagConfig(**config, placement="host")
@@ -242,6 +242,12 @@ def test_bad_placements_are_refused_with_the_fix():
     assert EmbeddingBagConfig(**config, placement="host_cached", cache_rows=5000).cache_size() == 1024
     with pytest.raises(ValueError, match="give the collection a fused optimizer"):
         EmbeddingBagCollection([cached], rngs=nnx.Rngs(0))
+    with monkeypatch.context() as patch:  # the host copy is checked against host memory
+        patch.setattr(_memory, "free_bytes", lambda device=None: 1 << 40)  # the device: room
+        patch.setattr(_memory, "host_free_bytes", lambda: 1000)
+        with pytest.raises(ValueError, match=r"places 0.00 GiB of tables and optimizer state in host memory "
+                                             r"\(host-cached tables \['t'\]\) but the host has"):
+            EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     ebc = EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
     plan = par.construct_plan([cached], {"t": par.table_wise(0)}, 2)

@@ -24,6 +24,11 @@ def free_bytes(device: jax.Device | None = None) -> int | None:
         stats = None
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    return host_free_bytes()
+
+
+def host_free_bytes() -> int | None:
+    """Bytes of host memory the system still has available; ``None`` when it cannot be told."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -59,3 +64,18 @@ def check_fits(collection: str, tables: dict[str, int], state_bytes: int, drawin
         f"{largest!r} alone takes {tables[largest] / _GIB:.2f} GiB. Cap num_embeddings "
         "(jaxrec train: --max-rows; re-index raw ids densely), use a smaller dtype, compress "
         "it (tt=TTConfig(...)) or shard the tables over devices (jaxrec.parallel).")
+
+
+def check_host_fits(collection: str, tables: dict[str, int], available: int | None = None) -> None:
+    """Raises ``ValueError`` when host-cached tables and their optimizer state (``{name:
+    bytes}``) exceed the host memory available."""
+    available = host_free_bytes() if available is None else available
+    need = sum(tables.values())
+    if available is None or need <= available:
+        return
+    largest = max(tables, key=tables.get)
+    raise ValueError(
+        f"collection {collection!r} places {need / _GIB:.2f} GiB of tables and optimizer state in host "
+        f"memory (host-cached tables {sorted(tables)}) but the host has {available / _GIB:.2f} GiB "
+        f"available; table {largest!r} alone takes {tables[largest] / _GIB:.2f} GiB. Cap num_embeddings, "
+        "use a smaller dtype, or spread the tables over hosts.")

@@ -28,7 +28,7 @@ from jaxrec.nn import host_cache
 from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._configs import EmbeddingConfig, group_tables
 from jaxrec.nn._fused_variable import FusedTables
-from jaxrec.nn._memory import check_fits
+from jaxrec.nn._memory import check_fits, check_host_fits
 from jaxrec.nn._tt_embedding_bag import TTEmbeddingBag
 from jaxrec.nn.dynamic import (
     DynamicIndex,
@@ -86,15 +86,17 @@ class GroupedTables(TableCollection):
             if g.tt:  # a module of its own, holding a Param list or a FusedTables
                 variables.append(_tt_module(g.tables[0], optimizer, group_name, keys))
                 continue
-            drawn = host_layout(g.layout, g.tables) if g.host_cached else g.layout
-            flat = tbe_layout.merge_drawn_tables(
-                drawn, lambda t, tables=g.tables: tables[t].init(keys[tables[t].name]), g.dtype)
-            if g.host_cached:  # the drawn tables go to host memory; the cache starts empty
+            def draw(t, tables=g.tables):
+                return tables[t].init(keys[tables[t].name])
+
+            if g.host_cached:  # drawn into host memory; the cache starts empty
                 cache = FusedEmbeddingTables.create(g.layout, optimizer, weights=jnp.zeros(
                     g.layout.num_weights, g.dtype), copy=False, name=group_name)
-                caches.append(HostCache(new_cache_state(cache, g.tables, flat)))
+                caches.append(HostCache(new_cache_state(cache, g.tables, draw)))
                 variables.append(FusedTables(cache))
-            elif optimizer is None:
+                continue
+            flat = tbe_layout.merge_drawn_tables(g.layout, draw, g.dtype)
+            if optimizer is None:
                 variables.append(nnx.Param(flat))
             else:  # flat is ours alone: handed over, not copied (MLPerf-sized tables fit once)
                 variables.append(FusedTables(FusedEmbeddingTables.create(
@@ -370,11 +372,17 @@ def concat_in_order(blocks: Sequence[tuple[str, jax.Array]], keys: Sequence[str]
 
 def _check_fits(name: str, groups, optimizer: OptimizerConfig | None) -> None:
     """Refuses, before any allocation, tables that the default device cannot hold."""
-    sizes, state, drawing = {}, 0, 0
+    sizes, state, drawing, host = {}, 0, 0, {}
     for g in groups:
         if g.tt:  # compressed: the cores are small
             continue
         itemsize = jnp.dtype(g.dtype).itemsize
+        if g.host_cached:  # host: the tables and their state; the device: one table drawn at a time
+            full = host_layout(g.layout, g.tables)
+            shapes = jax.eval_shape(lambda layout=full: init_state(optimizer, layout))
+            per_row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) / sum(full.rows)
+            host.update({t.name: int(t.num_embeddings * (t.embedding_dim * itemsize + per_row)) for t in g.tables})
+            drawing = max(drawing, max(t.num_embeddings * t.embedding_dim for t in g.tables) * (4 + itemsize))
         group = {t.name: t.num_embeddings * t.embedding_dim * itemsize for t in g.tables}
         sizes.update(group)
         in_place = sum(group.values()) >= tbe_layout.IN_PLACE_BYTES
@@ -384,3 +392,5 @@ def _check_fits(name: str, groups, optimizer: OptimizerConfig | None) -> None:
             state += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
     if sizes:
         check_fits(name, sizes, state, drawing)
+    if host:
+        check_host_fits(name, host)

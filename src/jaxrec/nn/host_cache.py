@@ -35,6 +35,7 @@ row and state for as long as the id is cached, and the host row is current other
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import NamedTuple
 
 import jax
@@ -46,7 +47,7 @@ from jaxrec import _step_guard
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn.dynamic import COUNTERS, IndexState
 from jaxrec.ops import hash_table
-from jaxrec.ops.host_cache import exchange_rows, to_host_memory
+from jaxrec.ops.host_cache import HOST_MEMORY, copy_rows, exchange_rows, to_host_memory
 from jaxrec.ops.tbe_layout import TableLayout
 
 BUCKET_SIZE = 128
@@ -94,15 +95,41 @@ def ranges(configs) -> tuple[hash_table.Range, ...]:
     return tuple(out)
 
 
-def new_state(cache: FusedEmbeddingTables, configs, flat_weights: jax.Array) -> CacheState:
-    """A group's empty index and its full tables (``flat_weights``, zero optimizer state)
-    moved to host memory."""
+def new_state(cache: FusedEmbeddingTables, configs, draw) -> CacheState:
+    """A group's empty index and its full tables in host memory: table ``t`` is ``draw(t)``
+    (float32 ``[rows, dim]``), the optimizer state zero. The device holds one drawn table
+    at a time, never the group."""
+    layout = host_layout(cache.layout, configs)
+    if sum(layout.rows) >= 2**31:
+        raise ValueError(f"host-cached tables {[c.name for c in configs]} share one group of "
+                         f"{sum(layout.rows)} rows; a group holds fewer than 2**31: give some of them "
+                         "another cache_policy (a group of their own)")
     capacity = sum(c.cache_size() for c in configs)
     index = IndexState(hash_table.create(capacity, bucket_size=BUCKET_SIZE),
                        *(jnp.zeros((len(configs),), jnp.int32) for _ in COUNTERS))
-    rows = FusedEmbeddingTables.create(host_layout(cache.layout, configs), cache.config, weights=flat_weights,
-                                       copy=False, name=cache.name + ".host")
-    return CacheState(index, _buffers_to_host(rows))
+    width, total = layout.dims[0], sum(layout.rows)
+    weights = _zeros_in_host_memory(total * width, cache.weights.dtype)
+    for t, (first, rows) in enumerate(zip(layout.row_offsets, layout.rows)):
+        weights = _copy_table(weights, draw(t).astype(weights.dtype).reshape(-1), first, rows, total)
+    state = cache.state._replace(step=jnp.zeros((), jnp.int32), **{
+        n: _zeros_in_host_memory(getattr(cache.state, n).size // sum(cache.layout.rows) * total,
+                                 getattr(cache.state, n).dtype) for n in cache.config.state_names})
+    rows = FusedEmbeddingTables(weights, state, cache.config.hyperparams(), layout, cache.config, cache.name + ".host")
+    return CacheState(index, rows)
+
+
+def _zeros_in_host_memory(size: int, dtype) -> jax.Array:
+    """Zeros placed straight in host memory (NumPy's zeros are pages not yet touched)."""
+    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY)
+    return jax.device_put(np.zeros((size,), dtype), sharding)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=0)
+def _copy_table(flat: jax.Array, table: jax.Array, first: int, rows: int, total: int) -> jax.Array:
+    """``flat`` (``total`` rows in host memory) with rows ``[first, first + rows)`` set to
+    ``table``, by the row-copy handler (host memory takes no jnp update)."""
+    at = jnp.arange(rows, dtype=jnp.int32)
+    return copy_rows(flat, first + at, table, at, dst_num_rows=total, src_num_rows=rows)
 
 
 def _buffers_to_host(rows: FusedEmbeddingTables) -> FusedEmbeddingTables:
