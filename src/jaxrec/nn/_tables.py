@@ -149,7 +149,9 @@ class GroupedTables(TableCollection):
             tables = [self._checked(t.name, weights[t.name]) if t.name in weights else cur
                       for t, cur in zip(g.tables, current)]
             if g.host_cached:
-                self._store_full(i, full.set_embedding_weights(tables))
+                with _on_the_cpu():  # the full tables are merged in host memory, never on the device
+                    full = full.set_embedding_weights(tables)
+                self._store_full(i, full)
             elif self.fused:
                 var.set_value(var.get_value().set_embedding_weights(tables))
             else:
@@ -171,7 +173,9 @@ class GroupedTables(TableCollection):
                 raise ValueError(f"tables {names} share one fused buffer and step: give the states of "
                                  f"all of them, got {given}")
             if g.host_cached:
-                self._store_full(i, self._full_tables(i).set_optimizer_states([states[n] for n in names], step=step))
+                with _on_the_cpu():
+                    full = self._full_tables(i).set_optimizer_states([states[n] for n in names], step=step)
+                self._store_full(i, full)
             else:
                 var.set_value(var.get_value().set_optimizer_states([states[n] for n in names], step=step))
 
@@ -189,7 +193,8 @@ class GroupedTables(TableCollection):
         var = self._cache(i)
         var.set_value(stored(var.get_value(), full))
         cache = self.tables[i].get_value()
-        self.tables[i].set_value(dataclasses.replace(cache, state=cache.state._replace(step=jnp.asarray(full.step))))
+        step = jnp.asarray(np.asarray(full.step))  # on the default device, wherever full's was
+        self.tables[i].set_value(dataclasses.replace(cache, state=cache.state._replace(step=step)))
 
     def _indices(self) -> dict[str, tuple[DynamicIndex, tuple, int, int]]:
         """``{table name: (its group's DynamicIndex, the group's configs, its place there,
@@ -332,6 +337,11 @@ class GroupedTables(TableCollection):
         else:
             out = embedding_bag_lookup(table, values, offsets, layout=group.layout, **kwargs)
         return out if pooling == PoolingMode.NONE else expand_variable_batch(out, features, group.layout.feature_dims)
+
+
+def _on_the_cpu():
+    """jnp's operations on the CPU (host memory) for the block."""
+    return jax.default_device(jax.devices("cpu")[0])
 
 
 def _table_of_entries(offsets: jax.Array, layout, capacity: int) -> jax.Array | None:

@@ -47,7 +47,7 @@ from jaxrec import _step_guard
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn.dynamic import COUNTERS, IndexState
 from jaxrec.ops import hash_table
-from jaxrec.ops.host_cache import HOST_MEMORY, copy_rows, exchange_rows, to_host_memory
+from jaxrec.ops.host_cache import HOST_MEMORY, copy_rows, exchange_rows
 from jaxrec.ops.tbe_layout import TableLayout
 
 BUCKET_SIZE = 128
@@ -120,8 +120,12 @@ def new_state(cache: FusedEmbeddingTables, configs, draw) -> CacheState:
 
 def _zeros_in_host_memory(size: int, dtype) -> jax.Array:
     """Zeros placed straight in host memory (NumPy's zeros are pages not yet touched)."""
-    sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY)
-    return jax.device_put(np.zeros((size,), dtype), sharding)
+    return _in_host_memory(np.zeros((size,), dtype))
+
+
+def _in_host_memory(x: np.ndarray) -> jax.Array:
+    """A NumPy array placed in the default device's host memory, never on the device."""
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=0)
@@ -130,12 +134,6 @@ def _copy_table(flat: jax.Array, table: jax.Array, first: int, rows: int, total:
     ``table``, by the row-copy handler (host memory takes no jnp update)."""
     at = jnp.arange(rows, dtype=jnp.int32)
     return copy_rows(flat, first + at, table, at, dst_num_rows=total, src_num_rows=rows)
-
-
-def _buffers_to_host(rows: FusedEmbeddingTables) -> FusedEmbeddingTables:
-    """``rows`` with its weights and optimizer-state buffers in host memory."""
-    state = rows.state._replace(**{n: to_host_memory(getattr(rows.state, n)) for n in rows.config.state_names})
-    return dataclasses.replace(rows, weights=to_host_memory(rows.weights), state=state)
 
 
 def _buffers(tables: FusedEmbeddingTables) -> list[jax.Array]:
@@ -242,11 +240,10 @@ def flushed_rows(state: CacheState, cache: FusedEmbeddingTables, configs) -> dic
     return out
 
 
-
 def full_tables(state: CacheState, cache: FusedEmbeddingTables, configs) -> FusedEmbeddingTables:
     """The group's full tables as NumPy buffers (``flushed_rows``), with the cache's step."""
     flushed = flushed_rows(state, cache, configs)
-    rows = dataclasses.replace(state.rows, state=state.rows.state._replace(step=cache.step))
+    rows = dataclasses.replace(state.rows, state=state.rows.state._replace(step=np.asarray(cache.step)))
     return _with_buffers(rows, list(flushed.values()))
 
 
@@ -255,8 +252,8 @@ def stored(state: CacheState, full: FusedEmbeddingTables) -> CacheState:
     index forgets every row; its counters stay)."""
     table = state.index.table
     empty = hash_table.create(table.capacity, bucket_size=BUCKET_SIZE, dtype=table.keys.dtype)
-    rows = _with_buffers(state.rows, [jnp.asarray(b) for b in _buffers(full)])
-    return CacheState(state.index._replace(table=empty), _buffers_to_host(rows))
+    rows = _with_buffers(state.rows, [_in_host_memory(np.asarray(b)) for b in _buffers(full)])
+    return CacheState(state.index._replace(table=empty), rows)
 
 
 def statistics(state: CacheState, configs) -> dict[str, dict[str, jax.Array]]:
