@@ -49,8 +49,10 @@ def test_a_host_cached_run_trains_and_resumes_exactly(tmp_path, capsys):
                  "--out-dir", str(tmp_path / "out_b")]) == 0
     assert main([*FLAGS, "--steps", "8", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
                  "--out-dir", str(tmp_path / "out_b")]) == 0
+    assert "host-cached tables (" in capsys.readouterr().out
     whole, resumed = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("out_a", "out_b"))
-    assert resumed["final"] == whole["final"]
+    assert resumed["final"] == whole["final"] and resumed["host_cache"]["tables"].keys() == cached.keys()
+    assert whole["host_cache"]["total"]["inserted"] > whole["host_cache"]["total"]["size"] > 0
     leaves_a, leaves_b = (jax.tree.leaves(checkpoint(config, tmp_path / d, 8)) for d in ("a", "b"))
     assert len(leaves_a) == len(leaves_b)
     for x, y in zip(leaves_a, leaves_b):

@@ -200,6 +200,10 @@ def main(argv: list[str] | None = None) -> int:
               f"better validation metric than step {stop['best_step']}'s (--patience)")
     if record.get("dynamic_vocab"):
         print(_vocab.summary(record["dynamic_vocab"]))
+    if record.get("host_cache"):
+        cache = record["host_cache"]
+        print(f"host-cached tables ({len(cache['tables'])}): {cache['total']['size']:,} rows cached, "
+              f"{cache['total']['inserted']:,} loaded (misses), {cache['total']['evicted']:,} written back")
     skipped = (record["step_stats"] or {}).get("nonfinite_steps")
     if skipped:
         print(f"skipped {skipped} non-finite steps (--on-nonfinite skip)")

@@ -375,6 +375,23 @@ class _Run:
             return None
         return {**stats, "test": self.test_unknown}
 
+    def _cache_statistics(self) -> dict | None:
+        """The host-cached tables' statistics (``cache_statistics()``: rows cached now, rows
+        loaded and written back since the model was created) per table and summed; None
+        without such tables, or when the state cannot be read."""
+        if self.config.placement != "host_cached":
+            return None
+        try:
+            tables = {name: {k: v.item() for k, v in jax.device_get(stats).items()}
+                      for _, m in nnx.iter_modules(self.model) if isinstance(m, EmbeddingBagCollection)
+                      for name, stats in m.cache_statistics().items()}
+        except Exception:  # noqa: BLE001 (a failed step's state)
+            return None
+        if not tables:
+            return None
+        return {"total": {k: sum(t[k] for t in tables.values()) for k in ("size", "inserted", "evicted")},
+                "tables": tables}
+
     def _stop(self, status: str, message: str, error: Exception):
         record = self._write(status, message)
         raise TrainingStopped(message, record) from error
@@ -409,6 +426,7 @@ class _Run:
             "final": {k: v for k, v in self.test.items()
                       if k not in ("step", "epoch", "model", "checkpoint")},
             "dynamic_vocab": self._dynamic_statistics(),
+            "host_cache": self._cache_statistics(),
             "history": self.history,
         }
         if jax.process_index() != 0:  # one run, one set of outputs: process 0's
