@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import jaxrec.parallel as par
+from jaxrec import _ffi
 from jaxrec.checkpoint import restore_checkpoint, save_checkpoint
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, _memory, make_train_step
 from jaxrec.ops.host_cache import exchange_rows, in_host_memory, to_host_memory
@@ -153,6 +154,29 @@ def test_the_row_exchange_equals_its_reference(platform, dtype, width):
             if 0 <= e < host_rows:
                 np.testing.assert_array_equal(new_h[e], c0[s])
             np.testing.assert_array_equal(new_c[s], h0[ld] if 0 <= ld < host_rows else c0[s])
+
+
+@pytest.mark.parametrize("change, message", [
+    ({}, None),
+    (dict(src=np.zeros(12, np.float16)), r"copy_rows: src float16\[12\] and dst float32\[24\] must hold"),
+    (dict(dst=np.zeros(25, np.float32)), r"dst float32\[25\] must hold src_num_rows=3 and dst_num_rows=6"),
+    (dict(src_rows=np.zeros(3, np.int32)), r"src_rows must be int32\[2\], got int32\[3\]"),
+    (dict(dst_rows=np.zeros(2, np.int64)), r"dst_rows must be int32\[2\], got int64\[2\]"),
+])
+def test_the_copy_handlers_check_their_operands(platform, change, message, x64):
+    """The target called past copy_rows' own checks: the CPU and CUDA handlers give one message."""
+    _ffi.has_kernel(platform)  # registers the target
+    args = {**dict(dst_rows=np.array([5, 0], np.int32), src_rows=np.array([2, 1], np.int32),
+                   src=np.arange(12, dtype=np.float32), dst=np.zeros(24, np.float32)), **change}
+    call = jax.ffi.ffi_call("jaxrec_copy_rows", jax.ShapeDtypeStruct(args["dst"].shape, args["dst"].dtype))
+    run = jax.jit(lambda *a: call(*a, src_num_rows=3, dst_num_rows=6))
+    operands = [jnp.asarray(args[k]) for k in ("dst_rows", "src_rows", "src", "dst")]
+    if message is None:  # the control: rows 2 and 1 of src to rows 5 and 0 of dst
+        np.testing.assert_array_equal(np.asarray(run(*operands)).reshape(6, 4)[[5, 0]],
+                                      np.arange(12, dtype=np.float32).reshape(3, 4)[[2, 1]])
+        return
+    with pytest.raises(Exception, match=message):
+        run(*operands)
 
 
 @pytest.mark.parametrize("mode", ["WARNING", "NONE"])
