@@ -277,3 +277,22 @@ def test_bad_placements_are_refused_with_the_fix(monkeypatch):
     plan = par.construct_plan([cached], {"t": par.table_wise(0)}, 2)
     with pytest.raises(NotImplementedError, match="does not hold host-cached tables yet"):
         par.shard(ebc, plan, mesh)
+
+
+def test_a_group_larger_than_the_device_builds_in_host_memory(monkeypatch):
+    """Two tables of 3.2 MB each on a device with 7 MB free: placed on the device they need
+    their 6.4 MB and as much again to draw them; host-cached, one table drawn at a time."""
+    monkeypatch.setattr(_memory, "free_bytes", lambda device=None: 7 * 10**6)
+
+    def configs(**kw):
+        return [EmbeddingBagConfig(name=f"t{k}", num_embeddings=100_000, embedding_dim=8, feature_names=[f"f{k}"],
+                                   **kw) for k in range(2)]
+
+    with pytest.raises(ValueError, match="collection 'ebc' needs 0.01 GiB to build its tables"):
+        EmbeddingBagCollection(configs(), optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
+    ebc = EmbeddingBagCollection(configs(placement="host_cached", cache_rows=1024),
+                                 optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
+    weights = ebc.split_embedding_weights()
+    want = EmbeddingBagConfig(name="t1", num_embeddings=100_000, embedding_dim=8, feature_names=["f1"])
+    assert weights["t1"].shape == (100_000, 8) and np.abs(weights["t1"]).max() <= want.init_bounds()[1]
+    assert not np.array_equal(weights["t0"], weights["t1"])  # each drawn from its own key

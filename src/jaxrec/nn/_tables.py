@@ -393,10 +393,11 @@ def _check_fits(name: str, groups, optimizer: OptimizerConfig | None) -> None:
             per_row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) / sum(full.rows)
             host.update({t.name: int(t.num_embeddings * (t.embedding_dim * itemsize + per_row)) for t in g.tables})
             drawing = max(drawing, max(t.num_embeddings * t.embedding_dim for t in g.tables) * (4 + itemsize))
-        group = {t.name: t.num_embeddings * t.embedding_dim * itemsize for t in g.tables}
+        group = {t.name: rows * t.embedding_dim * itemsize for t, rows in zip(g.tables, g.layout.rows)}  # a cache's
         sizes.update(group)
-        in_place = sum(group.values()) >= tbe_layout.IN_PLACE_BYTES
-        drawing = max(drawing, max(group.values()) if in_place else sum(group.values()))
+        if not g.host_cached:
+            in_place = sum(group.values()) >= tbe_layout.IN_PLACE_BYTES
+            drawing = max(drawing, max(group.values()) if in_place else sum(group.values()))
         if optimizer is not None:
             shapes = jax.eval_shape(lambda layout=g.layout: init_state(optimizer, layout))
             state += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
