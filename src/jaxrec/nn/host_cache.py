@@ -13,9 +13,9 @@ one group, held in three places::
                   and optimizer-state buffers live in host memory ("pinned_host")
 
 A lookup first maps each id to a cache row with ``find_or_insert`` (LRU: last step seen,
-or LFU: times seen). Each cache row given a new id is then exchanged with the host in one
-handler call (``jaxrec.ops.host_cache.exchange_rows``): the evicted id's row and optimizer
-state are written back to its host row, the new id's are loaded. The lookup and the fused
+or LFU: times seen). Each cache row given a new id is then exchanged with the host by the
+row-copy handler (``jaxrec.ops.host_cache.exchange_rows``): the evicted id's row and
+optimizer state are written back to its host row, the new id's are loaded. The lookup and the fused
 update then read and write the cache only. So the cache row of an id holds its current
 row and state for as long as the id is cached, and the host row is current otherwise:
 ``flushed_rows`` (checkpoints, ``split_embedding_weights``) overlays the one on the other.
