@@ -145,7 +145,10 @@ class _Run:
         self.start = self.step
         self.train_step = make_train_step(self.task.loss_fn,
                                           on_nonfinite=NONFINITE_POLICIES[config.on_nonfinite])
-        self.predict = nnx.jit(self.task.predict)
+        # Donated: nnx.jit returns the model's state, which undonated means a copy of every
+        # table per call (2M-row tables on 2 CPU cores: 234 ms a batch instead of 4.2 ms;
+        # host-cached, whose evaluation updates its cache: 704 instead of 23 ms).
+        self.predict = nnx.jit(self.task.predict, donate_argnums=0)
         if self.plan is not None:  # this process's rows of the sharded model's predictions
             forward, mesh = make_forward(self.task.predict), _processes.mesh()
             self.predict = lambda model, batch: _processes.local_rows(
