@@ -288,9 +288,8 @@ class GroupedTables(TableCollection):
         # The cache now holds the rows the index says it does, in evaluation too (with no
         # backward to hand the tables back); a train step takes its tables from the backward.
         self.tables[i].set_value(table)
-        if table_of is not None:  # group rows -> each table's rows
-            slots = jnp.where(slots >= 0, slots - jnp.asarray(group.layout.row_offsets, jnp.int32)[table_of], -1)
         kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
+        slots = _rows_of_tables(slots, table_of, group.layout)
         return slots.astype(offsets.dtype), offsets, table
 
     def group_features(self, features: KeyedJaggedTensor) -> list[KeyedJaggedTensor]:
@@ -328,15 +327,20 @@ class GroupedTables(TableCollection):
                 slots = slots_for_eval(index, configs, values, valid, table_of)
             else:
                 slots, table = slots_for_training(index, table, configs, values, valid, table_of)
-            if table_of is not None:  # group rows -> each table's rows
-                slots = jnp.where(slots >= 0, slots - jnp.asarray(group.layout.row_offsets, jnp.int32)[table_of], -1)
-            values = slots.astype(offsets.dtype)
+            values = _rows_of_tables(slots, table_of, group.layout).astype(offsets.dtype)
             kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
         if self.fused:
             out = fused_lookup(table, values, offsets, **kwargs)
         else:
             out = embedding_bag_lookup(table, values, offsets, layout=group.layout, **kwargs)
         return out if pooling == PoolingMode.NONE else expand_variable_batch(out, features, group.layout.feature_dims)
+
+
+def _rows_of_tables(slots: jax.Array, table_of: jax.Array | None, layout) -> jax.Array:
+    """Rows of a group's buffer as rows of each entry's own table (``table_of``); -1 stays."""
+    if table_of is None:
+        return slots
+    return jnp.where(slots >= 0, slots - jnp.asarray(layout.row_offsets, jnp.int32)[table_of], -1)
 
 
 def _on_the_cpu():
@@ -387,20 +391,20 @@ def _check_fits(name: str, groups, optimizer: OptimizerConfig | None) -> None:
         if g.tt:  # compressed: the cores are small
             continue
         itemsize = jnp.dtype(g.dtype).itemsize
-        if g.host_cached:  # host: the tables and their state; the device: one table drawn at a time
-            full = host_layout(g.layout, g.tables)
-            shapes = jax.eval_shape(lambda layout=full: init_state(optimizer, layout))
-            per_row = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes)) / sum(full.rows)
-            host.update({t.name: int(t.num_embeddings * (t.embedding_dim * itemsize + per_row)) for t in g.tables})
-            drawing = max(drawing, max(t.num_embeddings * t.embedding_dim for t in g.tables) * (4 + itemsize))
         group = {t.name: rows * t.embedding_dim * itemsize for t, rows in zip(g.tables, g.layout.rows)}  # a cache's
         sizes.update(group)
-        if not g.host_cached:
-            in_place = sum(group.values()) >= tbe_layout.IN_PLACE_BYTES
-            drawing = max(drawing, max(group.values()) if in_place else sum(group.values()))
+        group_state = 0
         if optimizer is not None:
             shapes = jax.eval_shape(lambda layout=g.layout: init_state(optimizer, layout))
-            state += sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+            group_state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+            state += group_state
+        if g.host_cached:  # host: the tables and their state; the device: one table drawn at a time
+            per_row = group_state / sum(g.layout.rows)  # the state's bytes a row, in the cache as in the host
+            host.update({t.name: int(t.num_embeddings * (t.embedding_dim * itemsize + per_row)) for t in g.tables})
+            drawing = max(drawing, max(t.num_embeddings * t.embedding_dim for t in g.tables) * (4 + itemsize))
+        else:
+            in_place = sum(group.values()) >= tbe_layout.IN_PLACE_BYTES
+            drawing = max(drawing, max(group.values()) if in_place else sum(group.values()))
     if sizes:
         check_fits(name, sizes, state, drawing)
     if host:

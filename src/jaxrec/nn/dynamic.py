@@ -129,8 +129,7 @@ def slots_for_training(index: DynamicIndex, tables: FusedEmbeddingTables, config
     # of range, not reset)
     fresh = info.fresh_slots
     new_ids = table.keys.reshape(-1)[jnp.minimum(fresh, table.capacity - 1)]
-    firsts = jnp.asarray([r.first for r in bounds], jnp.int32) * table.keys.shape[1]
-    fresh_table = jnp.clip(jnp.searchsorted(firsts, fresh, side="right") - 1, 0, len(configs) - 1)
+    fresh_table = hash_table.range_of_slots(fresh, bounds, table.keys.shape[1])
     return slots, reset_rows(tables, fresh, fresh_rows(configs, fresh_table, tables.step, new_ids))
 
 

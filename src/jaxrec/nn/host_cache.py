@@ -162,8 +162,7 @@ def cache_rows_for(var: HostCache, cache: FusedEmbeddingTables, configs, ids, va
     fresh = info.fresh_slots
     is_fresh = fresh < table.capacity
     at = jnp.minimum(fresh, table.capacity - 1)
-    firsts = jnp.asarray([r.first for r in bounds], jnp.int32) * BUCKET_SIZE
-    slot_table = jnp.clip(jnp.searchsorted(firsts, at, side="right") - 1, 0, len(configs) - 1)
+    slot_table = hash_table.range_of_slots(at, bounds, BUCKET_SIZE)
     host_first = jnp.asarray(state.rows.layout.row_offsets, jnp.int32)[slot_table]
     evicting = is_fresh & (old.digests.reshape(-1)[at] != 0)
     evict = jnp.where(evicting, host_first + old.keys.reshape(-1)[at].astype(jnp.int32), -1)
@@ -228,8 +227,7 @@ def flushed_rows(state: CacheState, cache: FusedEmbeddingTables, configs) -> dic
     table, layout = state.index.table, state.rows.layout
     held = np.flatnonzero(np.asarray(table.digests).reshape(-1) != 0)
     keys = np.asarray(table.keys).reshape(-1)[held].astype(np.int64)
-    firsts = np.asarray([r.first for r in ranges(configs)], np.int64) * BUCKET_SIZE
-    slot_table = np.searchsorted(firsts, held, side="right") - 1
+    slot_table = hash_table.range_of_slots(held, ranges(configs), BUCKET_SIZE)
     host_rows = np.asarray(layout.row_offsets, np.int64)[slot_table] + keys
     names = ["weights", *cache.config.state_names]
     out = {}

@@ -274,6 +274,14 @@ def _insert_cuda(table, ids, step, valid, table_of, bounds, *, policy):
     return slots, HashTable(*state), InsertInfo(fresh, counts[0], counts[1], counts[2])
 
 
+def range_of_slots(slots, ranges, bucket_size: int):
+    """Each slot's range (its index in ``ranges``, clipped into them): the range whose
+    buckets hold it. NumPy slots give a NumPy answer."""
+    xp = np if isinstance(slots, np.ndarray) else jnp
+    firsts = xp.asarray([r.first for r in ranges], slots.dtype) * bucket_size
+    return xp.clip(xp.searchsorted(firsts, slots, side="right") - 1, 0, len(ranges) - 1)
+
+
 def count_per_range(flag: jax.Array, table_of: jax.Array, count: int) -> jax.Array:
     """``int32[count]``: how many entries of each range are flagged. A reduction: a
     scatter-add into a few counters serialised a million atomics on the GPU."""
