@@ -270,7 +270,7 @@ def test_bad_placements_are_refused_with_the_fix(monkeypatch):
         patch.setattr(_memory, "free_bytes", lambda device=None: 1 << 40)  # the device: room
         patch.setattr(_memory, "host_free_bytes", lambda: 1000)
         with pytest.raises(ValueError, match=r"places 0.00 GiB of tables and optimizer state in host memory "
-                                             r"\(host-cached tables \['t'\]\) but the host has"):
+                                             r"\(tables \['t'\]\) but the host has"):
             EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     ebc = EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])

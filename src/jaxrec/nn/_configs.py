@@ -25,7 +25,7 @@ from jaxrec.ops.tbe_layout import as_pooling_mode
 from jaxrec.optim import OptimizerConfig
 
 _DTYPES = ("float32", "float16", "bfloat16")
-PLACEMENTS = ("device", "host_cached")
+PLACEMENTS = ("device", "host", "host_cached")
 CACHE_POLICIES = ("lru", "lfu")
 CACHE_BUCKET = 128  # cache rows come in buckets of this many (nn/host_cache.py)
 
@@ -157,11 +157,12 @@ class EmbeddingBagConfig(EmbeddingConfig):
     looked up with the collection's other dynamic tables of the same ``dynamic_group_key``,
     apart from ordinary tables. Needs a fused optimizer."""
     placement: str = "device"
-    """Where the rows and their optimizer state live: ``"device"`` (device memory) or
-    ``"host_cached"`` (host memory, with a cache of ``cache_size()`` rows in device memory,
-    FBGEMM's ``MANAGED_CACHING``; docs/host_memory.md). Host-cached tables need a fused
-    optimizer and are looked up with the collection's other host-cached tables of the same
-    ``host_cache_group_key``."""
+    """Where the rows and their optimizer state live (docs/host_memory.md): ``"device"``
+    (device memory), ``"host"`` (host memory, each batch's rows read over PCIe; FBGEMM's
+    ``MANAGED``) or ``"host_cached"`` (host memory, with a cache of ``cache_size()`` rows in
+    device memory; FBGEMM's ``MANAGED_CACHING``). Tables in host memory need a fused
+    optimizer and are looked up with the collection's other tables of the same placement
+    and ``host_cache_group_key``."""
     cache_rows: int | None = None
     """Rows of a host-cached table's cache (rounded up to a multiple of 128)."""
     cache_load_factor: float | None = None
@@ -201,14 +202,16 @@ class EmbeddingBagConfig(EmbeddingConfig):
         if self.placement not in PLACEMENTS:
             raise ValueError(f"table {self.name!r}: placement must be one of {PLACEMENTS}, got {self.placement!r}")
         cache_fields = {"cache_rows": self.cache_rows, "cache_load_factor": self.cache_load_factor}
-        if self.placement == "device":
+        if self.placement != "host_cached":
             given = [k for k, v in cache_fields.items() if v is not None]
             if given:
                 raise ValueError(f"table {self.name!r}: {given} apply to placement='host_cached' only; the "
-                                 "table's placement is 'device'")
+                                 f"table's placement is {self.placement!r}")
+        if self.placement == "device":
             return
         if self.tt is not None or self.dynamic is not None:
-            raise ValueError(f"table {self.name!r}: a host-cached table is an ordinary table (not TT, not dynamic)")
+            raise ValueError(f"table {self.name!r}: a table in host memory is an ordinary table (not TT, not "
+                             f"dynamic); placement={self.placement!r}")
         if self.cache_policy not in CACHE_POLICIES:
             raise ValueError(f"table {self.name!r}: cache_policy must be one of {CACHE_POLICIES}, got "
                              f"{self.cache_policy!r}")
@@ -221,7 +224,7 @@ class EmbeddingBagConfig(EmbeddingConfig):
         if factor is not None and not (isinstance(factor, (int, float)) and 0 < factor <= 1):
             raise ValueError(f"table {self.name!r}: cache_load_factor must lie in (0, 1], got {factor!r}")
         if self.num_embeddings >= 2**31:
-            raise ValueError(f"table {self.name!r}: a host-cached table holds fewer than 2**31 rows, got "
+            raise ValueError(f"table {self.name!r}: a table in host memory holds fewer than 2**31 rows, got "
                              f"{self.num_embeddings}")
 
     def cache_size(self) -> int:
@@ -263,15 +266,25 @@ class TableGroup:
     def host_cached(self) -> bool:
         """Whether the group's tables live in host memory with a device cache (``layout``
         is then the cache's; nn/host_cache.py)."""
-        return getattr(self.tables[0], "placement", "device") == "host_cached"
+        return self.placement == "host_cached"
+
+    @property
+    def placement(self) -> str:
+        """``"device"``, ``"host"`` or ``"host_cached"`` (``EmbeddingBagConfig.placement``)."""
+        return getattr(self.tables[0], "placement", "device")
+
+    @property
+    def in_host_memory(self) -> bool:
+        """Whether the group's full tables live in host memory (placed or cached there)."""
+        return self.placement != "device"
 
 
 def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None = None
                  ) -> tuple[TableGroup, ...]:
     """Checks ``tables`` and groups them by (pooling, dtype), in order of first appearance;
     each TT table is a group of its own, dynamic tables are grouped apart from the others
-    by ``dynamic_group_key`` too, host-cached tables by ``host_cache_group_key``. A
-    host-cached group's layout is its cache's (``cache_size()`` rows per table).
+    by ``dynamic_group_key`` too, tables in host memory by their placement and
+    ``host_cache_group_key``. A host-cached group's layout is its cache's (``cache_size()`` rows per table).
 
     ``pooling`` overrides the tables' own (``PoolingMode.NONE`` for sequence embeddings).
     """
@@ -288,8 +301,8 @@ def group_tables(tables: Sequence[EmbeddingConfig], pooling: PoolingMode | None 
             key = ("tt", t.name)
         elif getattr(t, "dynamic", None) is not None:  # one index per group (nn/dynamic.py)
             key = ("dynamic", p, t.dtype, *dynamic_group_key(t))
-        elif getattr(t, "placement", "device") == "host_cached":  # one cache per group
-            key = ("host_cached", p, t.dtype, *host_cache_group_key(t))
+        elif getattr(t, "placement", "device") != "device":  # host_cached: one cache per group
+            key = (t.placement, p, t.dtype, *host_cache_group_key(t))
         else:
             key = (p, t.dtype)
         order.setdefault(key, []).append(t)
@@ -316,8 +329,9 @@ def dynamic_group_key(config) -> tuple:
 
 
 def host_cache_group_key(config) -> tuple:
-    """What host-cached tables must share to be one group (one index, one cache, one
-    lookup, nn/host_cache.py): the policy and the row width (a row is exchanged whole)."""
+    """What tables of one host placement must share to be one group (one lookup; host-cached:
+    one index, one cache, nn/host_cache.py): the policy and the row width (a row is
+    exchanged whole)."""
     return (config.cache_policy, config.embedding_dim)
 
 

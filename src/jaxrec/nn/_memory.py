@@ -52,23 +52,23 @@ def check_fits(collection: str, tables: dict[str, int], state_bytes: int, drawin
     need = sum(tables.values()) + drawing_bytes + state_bytes
     if available is None or need <= available:
         return
-    largest = max(tables, key=tables.get)
+    largest = max(tables, key=tables.get, default=None)
     device = jax.devices()[0]
     hint = (" (JAX's GPU allocator takes XLA_PYTHON_CLIENT_MEM_FRACTION of the memory, 0.75 "
             "unless set)") if device.platform == "gpu" else ""
+    alone = f"; table {largest!r} alone takes {tables[largest] / _GIB:.2f} GiB" if largest else ""
     raise ValueError(
         f"collection {collection!r} needs {need / _GIB:.2f} GiB to build its tables "
         f"({sum(tables.values()) / _GIB:.2f} GiB of weights, {drawing_bytes / _GIB:.2f} GiB more "
         f"while they are drawn, and {state_bytes / _GIB:.2f} GiB of optimizer state) but the "
-        f"device ({device.platform}) has {available / _GIB:.2f} GiB free{hint}; table "
-        f"{largest!r} alone takes {tables[largest] / _GIB:.2f} GiB. Cap num_embeddings "
+        f"device ({device.platform}) has {available / _GIB:.2f} GiB free{hint}{alone}. Cap num_embeddings "
         "(jaxrec train: --max-rows; re-index raw ids densely), use a smaller dtype, compress "
         "it (tt=TTConfig(...)) or shard the tables over devices (jaxrec.parallel).")
 
 
 def check_host_fits(collection: str, tables: dict[str, int], available: int | None = None) -> None:
-    """Raises ``ValueError`` when host-cached tables and their optimizer state (``{name:
-    bytes}``) exceed the host memory available."""
+    """Raises ``ValueError`` when tables in host memory (host-placed or host-cached) and
+    their optimizer state (``{name: bytes}``) exceed the host memory available."""
     available = host_free_bytes() if available is None else available
     need = sum(tables.values())
     if available is None or need <= available:
@@ -76,6 +76,6 @@ def check_host_fits(collection: str, tables: dict[str, int], available: int | No
     largest = max(tables, key=tables.get)
     raise ValueError(
         f"collection {collection!r} places {need / _GIB:.2f} GiB of tables and optimizer state in host "
-        f"memory (host-cached tables {sorted(tables)}) but the host has {available / _GIB:.2f} GiB "
+        f"memory (tables {sorted(tables)}) but the host has {available / _GIB:.2f} GiB "
         f"available; table {largest!r} alone takes {tables[largest] / _GIB:.2f} GiB. Cap num_embeddings, "
         "use a smaller dtype, or spread the tables over hosts.")

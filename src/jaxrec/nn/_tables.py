@@ -46,6 +46,7 @@ from jaxrec.nn.dynamic import (
 )
 from jaxrec.nn.host_cache import HostCache, cache_rows_for, full_tables, host_layout, stored
 from jaxrec.nn.host_cache import new_state as new_cache_state
+from jaxrec.nn.host_tables import batch_rows, buffers, in_host_memory, new_host_tables, with_buffers
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, embedding_bag_lookup, hash_table, tbe_layout
 from jaxrec.ops.tbe_kjt import (
     bag_offsets,
@@ -54,6 +55,7 @@ from jaxrec.ops.tbe_kjt import (
     features_in_order,
     require_features,
 )
+from jaxrec.ops.tbe_layout import TableLayout
 from jaxrec.optim import OptimizerConfig, init_state
 from jaxrec.sparse import KeyedJaggedTensor
 
@@ -95,6 +97,11 @@ class GroupedTables(TableCollection):
                 caches.append(HostCache(new_cache_state(cache, g.tables, draw)))
                 variables.append(FusedTables(cache))
                 continue
+            if g.placement == "host":  # drawn into host memory, one table at a time
+                row = TableLayout(rows=(1,), dims=g.layout.dims[:1], feature_table_map=(0,))
+                like = FusedEmbeddingTables.create(row, optimizer, weights=jnp.zeros(row.num_weights, g.dtype))
+                variables.append(FusedTables(new_host_tables(like, g.layout, draw, group_name)))
+                continue
             flat = tbe_layout.merge_drawn_tables(g.layout, draw, g.dtype)
             if optimizer is None:
                 variables.append(nnx.Param(flat))
@@ -113,7 +120,7 @@ class GroupedTables(TableCollection):
         for i, (g, var) in enumerate(zip(self.groups, self.tables)):
             if g.tt:  # materialised from the cores: num_embeddings x dim floats
                 out[g.tables[0].name] = var.full_weight()
-            elif g.host_cached:  # NumPy, from host memory with the cached rows over it
+            elif g.in_host_memory:  # NumPy, from host memory (host-cached: the cached rows over it)
                 out.update(zip((t.name for t in g.tables), self._full_tables(i).split_embedding_weights()))
             else:
                 flat = var.get_value().weights if self.fused else var.get_value()
@@ -127,7 +134,7 @@ class GroupedTables(TableCollection):
         out = {}
         for i, (g, var) in enumerate(zip(self.groups, self.tables)):
             if not g.tt:
-                tables = self._full_tables(i) if g.host_cached else var.get_value()
+                tables = self._full_tables(i) if g.in_host_memory else var.get_value()
                 out.update(zip((t.name for t in g.tables), tables.split_optimizer_states()))
         return out
 
@@ -143,12 +150,12 @@ class GroupedTables(TableCollection):
             if g.tt:
                 raise ValueError(f"table {names[0]!r} is a TT table: it holds cores, not rows; "
                                  "set its cores with its TTEmbeddingBag's set_cores (ebc.tables[i])")
-            full = self._full_tables(i) if g.host_cached else None
-            flat = full.weights if g.host_cached else var.get_value().weights if self.fused else var.get_value()
-            current = (full.layout if g.host_cached else g.layout).split_embedding_weights(flat)
+            full = self._full_tables(i) if g.in_host_memory else None
+            flat = full.weights if full is not None else var.get_value().weights if self.fused else var.get_value()
+            current = (full.layout if full is not None else g.layout).split_embedding_weights(flat)
             tables = [self._checked(t.name, weights[t.name]) if t.name in weights else cur
                       for t, cur in zip(g.tables, current)]
-            if g.host_cached:
+            if full is not None:
                 with _on_the_cpu():  # the full tables are merged in host memory, never on the device
                     full = full.set_embedding_weights(tables)
                 self._store_full(i, full)
@@ -172,7 +179,7 @@ class GroupedTables(TableCollection):
             if len(given) != len(names):
                 raise ValueError(f"tables {names} share one fused buffer and step: give the states of "
                                  f"all of them, got {given}")
-            if g.host_cached:
+            if g.in_host_memory:
                 with _on_the_cpu():
                     full = self._full_tables(i).set_optimizer_states([states[n] for n in names], step=step)
                 self._store_full(i, full)
@@ -184,16 +191,23 @@ class GroupedTables(TableCollection):
         return self.caches[sum(g.host_cached for g in self.groups[:i])]
 
     def _full_tables(self, i: int):
-        """Host-cached group ``i``'s full tables (NumPy), the cached rows written over the host's."""
+        """Group ``i``'s full tables in host memory as NumPy buffers (host-cached: the cached
+        rows written over the host's)."""
+        if self.groups[i].placement == "host":
+            return jax.tree.map(to_host, self.tables[i].get_value())
         return full_tables(self._cache(i).get_value(), self.tables[i].get_value(), self.groups[i].tables)
 
     def _store_full(self, i: int, full) -> None:
-        """Host-cached group ``i`` set to the full tables ``full``: host memory holds them, the
-        cache starts empty, the step is theirs."""
+        """Group ``i`` in host memory set to the full tables ``full``: host memory holds them
+        (host-cached: the cache starts empty), the step is theirs."""
+        step = jnp.asarray(np.asarray(full.step))  # on the default device, wherever full's was
+        if self.groups[i].placement == "host":
+            tables = with_buffers(self.tables[i].get_value(), [in_host_memory(np.asarray(b)) for b in buffers(full)])
+            self.tables[i].set_value(dataclasses.replace(tables, state=tables.state._replace(step=step)))
+            return
         var = self._cache(i)
         var.set_value(stored(var.get_value(), full))
         cache = self.tables[i].get_value()
-        step = jnp.asarray(np.asarray(full.step))  # on the default device, wherever full's was
         self.tables[i].set_value(dataclasses.replace(cache, state=cache.state._replace(step=step)))
 
     def _indices(self) -> dict[str, tuple[DynamicIndex, tuple, int, int]]:
@@ -247,7 +261,7 @@ class GroupedTables(TableCollection):
             raise NotImplementedError(f"collection {self.name!r} has TT tables, which have no portable form")
         out = {}
         for i, (g, var) in enumerate(zip(self.groups, self.tables)):
-            host = self._full_tables(i) if g.host_cached else jax.tree.map(to_host, var.get_value())
+            host = self._full_tables(i) if g.in_host_memory else jax.tree.map(to_host, var.get_value())
             flat, layout = (host.weights, host.layout) if self.fused else (host, g.layout)
             for t, w in zip(g.tables, layout.split_embedding_weights(flat)):
                 out[t.name] = {"weights": w}
@@ -272,23 +286,29 @@ class GroupedTables(TableCollection):
             index, *_ = self._indices()[g.tables[0].name]
             index.set_value(group_index([from_portable(portable[t.name]["index"]) for t in g.tables]))
 
-    def _cache_rows(self, i: int, table, values, offsets, kwargs):
-        """``(rows, offsets, cache)`` of host-cached group ``i``: the ids checked against their
-        tables under the collection's bounds-check mode (an id NONE leaves out of range gets
-        no row), mapped to rows of the cache; the lookup then runs on the cache unchecked."""
+    def _host_rows(self, i: int, table, values, offsets, kwargs):
+        """``(ids, offsets, tables)`` of group ``i`` in host memory: the ids checked against
+        their tables under the collection's bounds-check mode (an id NONE leaves out of range
+        looks up nothing), as ids of the device tables that the lookup then runs on
+        unchecked: the cache (host-cached, nn/host_cache.py) or the batch's rows (host,
+        nn/host_tables.py)."""
         group = self.groups[i]
         full = host_layout(group.layout, group.tables)
         values, offsets, _ = bounds_check_indices(
             full.feature_rows, values, offsets, kwargs["bounds_check_mode"],
             feature_names=kwargs["feature_names"], table_names=kwargs["table_names"], backend=self.backend)
+        kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
         table_of = _table_of_entries(offsets, group.layout, values.shape[0])
         rows = jnp.asarray(full.rows, values.dtype)[0 if table_of is None else table_of]
         valid = (jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]) & (values >= 0) & (values < rows)
+        if group.placement == "host":
+            first = 0 if table_of is None else jnp.asarray(full.row_offsets, jnp.int32)[table_of]
+            ids, scratch = batch_rows(table, first + values.astype(jnp.int32), valid)
+            return ids.astype(offsets.dtype), offsets, scratch
         slots, table = cache_rows_for(self._cache(i), table, group.tables, values, valid, table_of)
         # The cache now holds the rows the index says it does, in evaluation too (with no
         # backward to hand the tables back); a train step takes its tables from the backward.
         self.tables[i].set_value(table)
-        kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
         slots = _rows_of_tables(slots, table_of, group.layout)
         return slots.astype(offsets.dtype), offsets, table
 
@@ -317,8 +337,8 @@ class GroupedTables(TableCollection):
                       feature_names=list(group.feature_names),  # for FATAL's message
                       table_names=[group.tables[t].name for t in group.layout.feature_table_map])
         table = self.tables[i].get_value()
-        if group.host_cached:  # row ids to cache rows, newly cached rows loaded (nn/host_cache.py)
-            values, offsets, table = self._cache_rows(i, table, values, offsets, kwargs)
+        if group.in_host_memory:  # row ids to rows of the cache, or of the batch's rows
+            values, offsets, table = self._host_rows(i, table, values, offsets, kwargs)
         elif group.dynamic:  # raw ids to slots; unknown or refused ids (-1) look up nothing
             index, configs, _, _ = self._indices()[group.tables[0].name]
             valid = jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]
@@ -385,27 +405,29 @@ def concat_in_order(blocks: Sequence[tuple[str, jax.Array]], keys: Sequence[str]
 
 
 def _check_fits(name: str, groups, optimizer: OptimizerConfig | None) -> None:
-    """Refuses, before any allocation, tables that the default device cannot hold."""
+    """Refuses, before any allocation, tables that the default device (or, for tables in
+    host memory, the host) cannot hold."""
     sizes, state, drawing, host = {}, 0, 0, {}
     for g in groups:
         if g.tt:  # compressed: the cores are small
             continue
         itemsize = jnp.dtype(g.dtype).itemsize
         group = {t.name: rows * t.embedding_dim * itemsize for t, rows in zip(g.tables, g.layout.rows)}  # a cache's
-        sizes.update(group)
         group_state = 0
         if optimizer is not None:
             shapes = jax.eval_shape(lambda layout=g.layout: init_state(optimizer, layout))
             group_state = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+        if g.placement != "host":  # host-placed: only each batch's rows come to the device
+            sizes.update(group)
             state += group_state
-        if g.host_cached:  # host: the tables and their state; the device: one table drawn at a time
+        if g.in_host_memory:  # host: the tables and their state; the device: one table drawn at a time
             per_row = group_state / sum(g.layout.rows)  # the state's bytes a row, in the cache as in the host
             host.update({t.name: int(t.num_embeddings * (t.embedding_dim * itemsize + per_row)) for t in g.tables})
             drawing = max(drawing, max(t.num_embeddings * t.embedding_dim for t in g.tables) * (4 + itemsize))
         else:
             in_place = sum(group.values()) >= tbe_layout.IN_PLACE_BYTES
             drawing = max(drawing, max(group.values()) if in_place else sum(group.values()))
-    if sizes:
+    if sizes or drawing:
         check_fits(name, sizes, state, drawing)
     if host:
         check_host_fits(name, host)

@@ -35,7 +35,6 @@ row and state for as long as the id is cached, and the host row is current other
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import NamedTuple
 
 import jax
@@ -46,8 +45,9 @@ from flax import nnx
 from jaxrec import _step_guard
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn.dynamic import COUNTERS, IndexState
+from jaxrec.nn.host_tables import buffers, in_host_memory, new_host_tables, with_buffers
 from jaxrec.ops import hash_table
-from jaxrec.ops.host_cache import HOST_MEMORY, copy_rows, exchange_rows
+from jaxrec.ops.host_cache import exchange_rows
 from jaxrec.ops.tbe_layout import TableLayout
 
 BUCKET_SIZE = 128
@@ -68,14 +68,15 @@ class HostCache(nnx.Variable):
 
 
 def check_collection(configs, optimizer, *, sharded: bool = False) -> None:
-    """Refuses host-cached tables in a collection without a fused optimizer, or sharded."""
-    cached = [c.name for c in configs if getattr(c, "placement", "device") == "host_cached"]
-    if cached and sharded:
-        raise NotImplementedError(f"tables {cached} are host-cached: a sharded collection does not hold "
-                                  "host-cached tables yet; place them on the device or use an unsharded "
+    """Refuses tables in host memory (host-placed or host-cached) in a collection without a
+    fused optimizer, or sharded."""
+    placed = [c.name for c in configs if getattr(c, "placement", "device") != "device"]
+    if placed and sharded:
+        raise NotImplementedError(f"tables {placed} are placed in host memory: a sharded collection does not "
+                                  "hold such tables yet; place them on the device or use an unsharded "
                                   "EmbeddingBagCollection")
-    if cached and optimizer is None:
-        raise ValueError(f"tables {cached} are host-cached, whose rows are exchanged with the cache inside the "
+    if placed and optimizer is None:
+        raise ValueError(f"tables {placed} are placed in host memory, whose rows move to the device inside the "
                          "step together with their optimizer state: give the collection a fused optimizer "
                          "(optimizer=RowWiseAdagrad(...) etc.)")
 
@@ -107,43 +108,9 @@ def new_state(cache: FusedEmbeddingTables, configs, draw) -> CacheState:
     capacity = sum(c.cache_size() for c in configs)
     index = IndexState(hash_table.create(capacity, bucket_size=BUCKET_SIZE),
                        *(jnp.zeros((len(configs),), jnp.int32) for _ in COUNTERS))
-    width, total = layout.dims[0], sum(layout.rows)
-    weights = _zeros_in_host_memory(total * width, cache.weights.dtype)
-    for t, (first, rows) in enumerate(zip(layout.row_offsets, layout.rows)):
-        weights = _copy_table(weights, draw(t).astype(weights.dtype).reshape(-1), first, rows, total)
-    state = cache.state._replace(step=jnp.zeros((), jnp.int32), **{
-        n: _zeros_in_host_memory(getattr(cache.state, n).size // sum(cache.layout.rows) * total,
-                                 getattr(cache.state, n).dtype) for n in cache.config.state_names})
-    rows = FusedEmbeddingTables(weights, state, cache.config.hyperparams(), layout, cache.config, cache.name + ".host")
+    like = cache.state._replace(step=jnp.zeros((), jnp.int32))
+    rows = new_host_tables(dataclasses.replace(cache, state=like), layout, draw, cache.name + ".host")
     return CacheState(index, rows)
-
-
-def _zeros_in_host_memory(size: int, dtype) -> jax.Array:
-    """Zeros placed straight in host memory (NumPy's zeros are pages not yet touched)."""
-    return _in_host_memory(np.zeros((size,), dtype))
-
-
-def _in_host_memory(x: np.ndarray) -> jax.Array:
-    """A NumPy array placed in the default device's host memory, never on the device."""
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY))
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=0)
-def _copy_table(flat: jax.Array, table: jax.Array, first: int, rows: int, total: int) -> jax.Array:
-    """``flat`` (``total`` rows in host memory) with rows ``[first, first + rows)`` set to
-    ``table``, by the row-copy handler (host memory takes no jnp update)."""
-    at = jnp.arange(rows, dtype=jnp.int32)
-    return copy_rows(flat, first + at, table, at, dst_num_rows=total, src_num_rows=rows)
-
-
-def _buffers(tables: FusedEmbeddingTables) -> list[jax.Array]:
-    return [tables.weights, *(getattr(tables.state, n) for n in tables.config.state_names)]
-
-
-def _with_buffers(tables: FusedEmbeddingTables, buffers) -> FusedEmbeddingTables:
-    names = tables.config.state_names
-    return dataclasses.replace(tables, weights=buffers[0],
-                               state=tables.state._replace(**dict(zip(names, buffers[1:]))))
 
 
 def cache_rows_for(var: HostCache, cache: FusedEmbeddingTables, configs, ids, valid, table_of=None):
@@ -168,14 +135,14 @@ def cache_rows_for(var: HostCache, cache: FusedEmbeddingTables, configs, ids, va
     evict = jnp.where(evicting, host_first + old.keys.reshape(-1)[at].astype(jnp.int32), -1)
     load = jnp.where(is_fresh, host_first + table.keys.reshape(-1)[at].astype(jnp.int32), -1)
     new_cache, new_host = exchange_rows(
-        jax.lax.stop_gradient(_buffers(cache)), _buffers(state.rows), jnp.where(is_fresh, fresh, -1), evict, load,
+        jax.lax.stop_gradient(buffers(cache)), buffers(state.rows), jnp.where(is_fresh, fresh, -1), evict, load,
         cache_num_rows=sum(cache.layout.rows), host_num_rows=sum(state.rows.layout.rows))
     index = state.index
     var.set_value(CacheState(
         IndexState(table, index.inserted + info.inserted, index.evicted + info.evicted,
                    index.failed + info.failed, index.unknown),
-        _with_buffers(state.rows, new_host)))
-    return slots, _through(cache, _with_buffers(cache, new_cache))
+        with_buffers(state.rows, new_host)))
+    return slots, _through(cache, with_buffers(cache, new_cache))
 
 
 @jax.custom_vjp
@@ -231,7 +198,7 @@ def flushed_rows(state: CacheState, cache: FusedEmbeddingTables, configs) -> dic
     host_rows = np.asarray(layout.row_offsets, np.int64)[slot_table] + keys
     names = ["weights", *cache.config.state_names]
     out = {}
-    for name, host, cached in zip(names, _buffers(state.rows), _buffers(cache)):
+    for name, host, cached in zip(names, buffers(state.rows), buffers(cache)):
         full = np.array(host).reshape(sum(layout.rows), -1)
         full[host_rows] = np.asarray(cached).reshape(sum(cache.layout.rows), -1)[held]
         out[name] = full.reshape(-1)
@@ -242,7 +209,7 @@ def full_tables(state: CacheState, cache: FusedEmbeddingTables, configs) -> Fuse
     """The group's full tables as NumPy buffers (``flushed_rows``), with the cache's step."""
     flushed = flushed_rows(state, cache, configs)
     rows = dataclasses.replace(state.rows, state=state.rows.state._replace(step=np.asarray(cache.step)))
-    return _with_buffers(rows, list(flushed.values()))
+    return with_buffers(rows, list(flushed.values()))
 
 
 def stored(state: CacheState, full: FusedEmbeddingTables) -> CacheState:
@@ -250,7 +217,7 @@ def stored(state: CacheState, full: FusedEmbeddingTables) -> CacheState:
     index forgets every row; its counters stay)."""
     table = state.index.table
     empty = hash_table.create(table.capacity, bucket_size=BUCKET_SIZE, dtype=table.keys.dtype)
-    rows = _with_buffers(state.rows, [_in_host_memory(np.asarray(b)) for b in _buffers(full)])
+    rows = with_buffers(state.rows, [in_host_memory(np.asarray(b)) for b in buffers(full)])
     return CacheState(state.index._replace(table=empty), rows)
 
 

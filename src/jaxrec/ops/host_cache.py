@@ -10,8 +10,9 @@ some rows in device memory. ``exchange_rows`` moves rows between the two::
         cache[cache_rows[i]] = host[load_rows[i]]      (if load_rows[i] >= 0: load)
 
 for each (cache, host) pair of buffers (the weights, each optimizer-state buffer), in
-place: two ``copy_rows`` per pair, the write-backs first. The entries must name distinct
-cache rows and distinct host rows; rows outside a buffer are skipped.
+place: two ``copy_rows`` per pair, the write-backs first, each in the order of the host
+rows (``by_host_row``). The entries must name distinct cache rows and distinct host rows;
+rows outside a buffer are skipped.
 
 The host buffers are only ever touched by the handlers, never by a jnp operation: XLA
 cannot run device operations on host memory, and JAX refuses a gather that mixes memory
@@ -83,6 +84,17 @@ def copy_rows(dst: jax.Array, dst_rows: jax.Array, src: jax.Array, src_rows: jax
     return to_host_memory(out) if in_host_memory(dst) else out
 
 
+def by_host_row(host_rows: jax.Array, other_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The pairs ``(host_rows[i], other_rows[i])`` in the order of the host rows.
+
+    Rows copied in the order of their host addresses cross PCIe at the copy rate: on the
+    H100, 524,288 random rows of 512 bytes of a 4 GiB host buffer moved at 20 GB/s in
+    random order and at 51 GB/s sorted (a bulk copy: 55 GB/s). Random reads over more
+    host memory than the GPU's address translation covers at once wait on it; sorted,
+    consecutive rows share their pages."""
+    return jax.lax.sort((host_rows, other_rows), num_keys=1)
+
+
 def exchange_rows(cache: Sequence[jax.Array], host: Sequence[jax.Array], cache_rows: jax.Array,
                   evict_rows: jax.Array, load_rows: jax.Array, *, cache_num_rows: int, host_num_rows: int,
                   backend: str = "auto") -> tuple[list[jax.Array], list[jax.Array]]:
@@ -95,11 +107,11 @@ def exchange_rows(cache: Sequence[jax.Array], host: Sequence[jax.Array], cache_r
                          f"and {len(host)} buffers")
     cache_rows, evict_rows, load_rows = (jnp.asarray(r, jnp.int32) for r in (cache_rows, evict_rows, load_rows))
     live = cache_rows >= 0
-    write_back = jnp.where(live, evict_rows, -1)
-    load_into = jnp.where(live & (load_rows >= 0), cache_rows, -1)
+    write_back, written = by_host_row(jnp.where(live, evict_rows, -1), cache_rows)
+    load_rows, load_into = by_host_row(load_rows, jnp.where(live & (load_rows >= 0), cache_rows, -1))
     new_cache, new_host = [], []
     for c, h in zip(cache, host):
-        h = copy_rows(h, write_back, c, cache_rows, dst_num_rows=host_num_rows, src_num_rows=cache_num_rows,
+        h = copy_rows(h, write_back, c, written, dst_num_rows=host_num_rows, src_num_rows=cache_num_rows,
                       backend=backend)
         c = copy_rows(c, load_into, h, load_rows, dst_num_rows=cache_num_rows, src_num_rows=host_num_rows,
                       backend=backend)
