@@ -108,8 +108,7 @@ def new_state(cache: FusedEmbeddingTables, configs, draw) -> CacheState:
     capacity = sum(c.cache_size() for c in configs)
     index = IndexState(hash_table.create(capacity, bucket_size=BUCKET_SIZE),
                        *(jnp.zeros((len(configs),), jnp.int32) for _ in COUNTERS))
-    like = cache.state._replace(step=jnp.zeros((), jnp.int32))
-    rows = new_host_tables(dataclasses.replace(cache, state=like), layout, draw, cache.name + ".host")
+    rows = new_host_tables(cache, layout, draw, cache.name + ".host")
     return CacheState(index, rows)
 
 

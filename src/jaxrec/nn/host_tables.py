@@ -49,14 +49,17 @@ def with_buffers(tables: FusedEmbeddingTables, new) -> FusedEmbeddingTables:
 def new_host_tables(like: FusedEmbeddingTables, layout: TableLayout, draw, name: str) -> FusedEmbeddingTables:
     """Fused tables of ``layout`` with ``like``'s optimizer and dtypes, every buffer in host
     memory: table ``t``'s weights are ``draw(t)`` (float32 ``[rows, dim]``), the optimizer
-    state zero, the step ``like``'s. The device holds one drawn table at a time."""
+    state zero, the step ``like``'s (copied: no array is shared with ``like``). The device
+    holds one drawn table at a time."""
     total = sum(layout.rows)
     per_row = [b.size // sum(like.layout.rows) for b in buffers(like)]
     weights = in_host_memory(np.zeros((total * per_row[0],), like.weights.dtype))
     for t, (first, rows) in enumerate(zip(layout.row_offsets, layout.rows)):
         weights = _copy_table(weights, draw(t).astype(weights.dtype).reshape(-1), first, rows, total)
     state = [in_host_memory(np.zeros((total * w,), b.dtype)) for w, b in zip(per_row[1:], buffers(like)[1:])]
-    return with_buffers(dataclasses.replace(like, layout=layout, name=name), [weights, *state])
+    fresh = dataclasses.replace(like, hparams=like.config.hyperparams(), layout=layout, name=name,
+                                state=like.state._replace(step=jnp.array(like.state.step)))  # arrays of its own
+    return with_buffers(fresh, [weights, *state])
 
 
 def in_host_memory(x: np.ndarray) -> jax.Array:

@@ -68,11 +68,12 @@ def _parser() -> argparse.ArgumentParser:
                         "still computes in float32. A value of 2**63 or more is an error, never "
                         "folded (default: %(default)s)")
     p.add_argument("--placement", choices=PLACEMENTS, default=d.placement,
-                   help="device keeps every table in device memory; host_cached keeps each dense "
-                        "table whose cache (--cache-load-factor of its rows, in buckets of 128) is "
-                        "smaller than the table and holds at least two batches of ids in host "
-                        "memory, with that cache of its most recently used rows in device memory "
-                        "(default: %(default)s)")
+                   help="device keeps every table in device memory; host keeps each dense table "
+                        "of at least two batches of ids of rows in host memory, each batch's rows "
+                        "read over PCIe; host_cached keeps each dense table whose cache "
+                        "(--cache-load-factor of its rows, in buckets of 128) is smaller than the "
+                        "table and holds at least two batches of ids in host memory, with that "
+                        "cache of its most recently used rows in device memory (default: %(default)s)")
     p.add_argument("--cache-load-factor", type=float, default=d.cache_load_factor,
                    help="--placement host_cached: each cache's rows as a share of its table's "
                         "(default: %(default)s)")

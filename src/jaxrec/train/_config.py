@@ -13,7 +13,7 @@ NONFINITE_POLICIES = {"stop": "raise", "skip": "skip"}  # -> the train step's on
 CTR_MODELS, RATING_MODELS = ("dlrm", "dcn"), ("mf", "two_tower")
 TASKS = ("ctr", "ratings", "retrieval")  # ctr: click data; ratings, retrieval: movielens
 RETRIEVAL_LOSSES = ("softmax", "bpr")
-PLACEMENTS = ("device", "host_cached")  # where the tables live (jaxrec.nn.EmbeddingBagConfig.placement)
+PLACEMENTS = ("device", "host", "host_cached")  # where the tables live (jaxrec.nn.EmbeddingBagConfig.placement)
 VOCABS = ("modulo", "dynamic")  # click data's values: hashed modulo the rows, or raw ids (_vocab.py)
 DENSE_OPTIMIZERS = ("adam", "adagrad", "sgd")
 # Table optimizers by FBGEMM's names (lower case, without EXACT_); "plain" keeps the tables
@@ -96,10 +96,12 @@ class TrainConfig:
     rounded down to buckets of 128, at least one, LRU eviction; the run turns on ``jax_enable_x64``).
     ``_vocab.py``."""
     placement: str = "device"
-    """``device`` or ``host_cached``: each dense (not TT, not dynamic) table whose cache of
-    ``cache_load_factor`` of its rows is smaller than the table and holds two batches of ids
-    lives in host memory with that cache in device memory (docs/host_memory.md,
-    ``_task_base.host_cached``); the others stay on the device."""
+    """``device``, ``host`` or ``host_cached`` (docs/host_memory.md, ``_task_base.placed``):
+    ``host`` places each dense (not TT, not dynamic) table of at least two batches' ids of
+    rows in host memory, each batch's rows read over PCIe; ``host_cached`` places each dense
+    table whose cache of ``cache_load_factor`` of its rows is smaller than the table and
+    holds two batches of ids in host memory, with that cache in device memory. The other
+    tables stay on the device."""
     cache_load_factor: float = 0.2
     tt_ranks: tuple[int, ...] = ()
     """TT-compress (FBTT) every table of at least ``tt_min_rows`` rows with these inner
@@ -310,11 +312,11 @@ class TrainConfig:
         if self.placement == "device":
             return
         if self.table_optimizer == "plain":
-            raise ValueError("--placement host_cached needs a fused table optimizer (a cached row's "
-                             "optimizer state moves with it): drop --table-optimizer plain (the "
-                             "default is rowwise_adagrad)")
+            raise ValueError(f"--placement {self.placement} needs a fused table optimizer (a row's "
+                             "optimizer state moves with it between host and device): drop "
+                             "--table-optimizer plain (the default is rowwise_adagrad)")
         if self.vocab == "dynamic":
-            raise ValueError("--placement host_cached places dense tables, and --vocab dynamic makes "
+            raise ValueError(f"--placement {self.placement} places dense tables, and --vocab dynamic makes "
                              "every table a dynamic vocabulary: drop one of them")
 
     def resume_differences(self, saved: dict) -> tuple[list[str], list[str]]:

@@ -52,7 +52,7 @@ class Task:
 def collection(config: TrainConfig, keys, sizes, extra_columns: int = 0) -> EmbeddingBagCollection:
     """One table per key, of ``sizes`` rows (``--vocab dynamic``: a dynamic vocabulary of
     ``dynamic_slots(rows)``), TT-compressed from ``tt_min_rows`` rows with ``--tt-ranks``,
-    host-cached with ``--placement host_cached`` (``host_cached``)."""
+    in host memory with ``--placement host`` or ``host_cached`` (``placed``)."""
     optimizer = TABLE_OPTIMIZERS[config.table_optimizer]
     tt = tt_config(config)
     dim = config.embedding_dim + extra_columns
@@ -60,20 +60,22 @@ def collection(config: TrainConfig, keys, sizes, extra_columns: int = 0) -> Embe
                                  feature_names=[k], tt=tt if tt and n >= config.tt_min_rows else None,
                                  dynamic=_vocab.dynamic_vocab(config, n))
               for k, n in zip(keys, sizes)]
-    if config.placement == "host_cached":
-        tables = [host_cached(config, t) for t in tables]
+    tables = [placed(config, t) for t in tables]
     return EmbeddingBagCollection(
         tables, optimizer=None if optimizer is None else optimizer(
             learning_rate=config.table_learning_rate),
         rngs=nnx.Rngs(config.seed), backend=config.backend)
 
 
-def host_cached(config: TrainConfig, table: EmbeddingBagConfig) -> EmbeddingBagConfig:
-    """``table`` host-cached (``--placement host_cached``) where it is dense and its cache
-    would hold less than the table and at least two batches of ids (one id a sample:
-    a batch's distinct ids must find cache rows), else as it is."""
-    if table.tt is not None or table.dynamic is not None:
+def placed(config: TrainConfig, table: EmbeddingBagConfig) -> EmbeddingBagConfig:
+    """``table`` with ``--placement``'s placement where it is dense and large enough (one id
+    a sample): ``host`` from two batches of ids of rows; ``host_cached`` where its cache
+    would hold less than the table and at least two batches of ids (a batch's distinct ids
+    must find cache rows). Else as it is, on the device."""
+    if config.placement == "device" or table.tt is not None or table.dynamic is not None:
         return table
+    if config.placement == "host":
+        return dataclasses.replace(table, placement="host") if table.num_embeddings >= 2 * config.batch_size else table
     cached = dataclasses.replace(table, placement="host_cached", cache_load_factor=config.cache_load_factor)
     return cached if 2 * config.batch_size <= cached.cache_size() < table.num_embeddings else table
 

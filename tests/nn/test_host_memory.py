@@ -1,11 +1,13 @@
-"""Host-cached tables (EmbeddingBagConfig(placement="host_cached")): rows and optimizer
-state in host memory, a small cache in device memory, rows exchanged every step.
+"""Tables in host memory: rows and optimizer state in host memory, either with a small
+cache in device memory and rows exchanged every step (placement="host_cached"), or with
+each batch's rows read into device memory and written back (placement="host").
 
 Training equals the same collection with every table on the device (losses, rows and
 optimizer state after every step, evictions happening every step), for SGD, row-wise
 Adagrad and Adam, LRU and LFU; the row exchange's handlers equal its jnp reference; bad
 ids follow the bounds-check mode; a batch the cache cannot hold fails its step and keeps
-the model; checkpoints and the portable form carry the tables between placements."""
+the model (and trains with placement="host"); checkpoints and the portable form carry the
+tables between placements."""
 
 from __future__ import annotations
 
@@ -29,8 +31,9 @@ B = 16
 ROWS = {"user": 1000, "user2": 1000, "item": 500, "d": 50}  # rows of each feature's table
 
 
-def tables(cached: bool, policy: str = "lru", cache_rows: int = 128):
-    kw = dict(placement="host_cached", cache_rows=cache_rows, cache_policy=policy) if cached else {}
+def tables(placement: str, policy: str = "lru", cache_rows: int = 128):
+    kw = {"device": {}, "host": dict(placement="host"),
+          "host_cached": dict(placement="host_cached", cache_rows=cache_rows, cache_policy=policy)}[placement]
     return [EmbeddingBagConfig(name="t_user", num_embeddings=1000, embedding_dim=8, feature_names=["user", "user2"],
                                **kw),
             EmbeddingBagConfig(name="t_item", num_embeddings=500, embedding_dim=8, feature_names=["item"], **kw),
@@ -61,9 +64,9 @@ def batch(rng, bad: int = 0):
             jnp.asarray(rng.normal(size=B), jnp.float32))
 
 
-def collection(cached: bool, optimizer, **kw):
+def collection(placement: str, optimizer, **kw):
     policy = kw.pop("policy", "lru")
-    return Model(EmbeddingBagCollection(tables(cached, policy), optimizer=optimizer, rngs=nnx.Rngs(0), **kw))
+    return Model(EmbeddingBagCollection(tables(placement, policy), optimizer=optimizer, rngs=nnx.Rngs(0), **kw))
 
 
 def trainer(model):
@@ -82,11 +85,14 @@ def assert_same_tables(got, want, exact: bool):
             check(np.asarray(s_got[name][k]), np.asarray(s_want[name][k]), err_msg=f"{name} {k}")
 
 
-@pytest.mark.parametrize("optimizer,policy", [
-    (RowWiseAdagrad(learning_rate=0.3), "lru"), (Adam(learning_rate=0.01), "lru"), (SGD(learning_rate=0.5), "lfu")])
-def test_training_equals_device_placement(platform, optimizer, policy):
+OPTIMIZERS = [(RowWiseAdagrad(learning_rate=0.3), "lru"), (Adam(learning_rate=0.01), "lru"),
+              (SGD(learning_rate=0.5), "lfu")]
+
+
+@pytest.mark.parametrize("optimizer,policy", OPTIMIZERS)
+def test_host_cached_training_equals_device_placement(platform, optimizer, policy):
     exact = platform == "cpu"  # the GPU's fused update may sum a row's gradients in another order
-    cached, device = collection(True, optimizer, policy=policy), collection(False, optimizer)
+    cached, device = collection("host_cached", optimizer, policy=policy), collection("device", optimizer)
     (step_c, opt_c), (step_d, opt_d) = trainer(cached), trainer(device)
     rng = np.random.default_rng(0)
     evicted = 0
@@ -105,9 +111,30 @@ def test_training_equals_device_placement(platform, optimizer, policy):
     assert not in_host_memory(cached.ebc.tables[0].get_value().weights)  # the cache is on the device
 
 
+@pytest.mark.parametrize("optimizer", [o for o, _ in OPTIMIZERS])
+def test_host_placed_training_equals_device_placement(platform, optimizer):
+    exact = platform == "cpu"
+    host, device = collection("host", optimizer), collection("device", optimizer)
+    (step_h, opt_h), (step_d, opt_d) = trainer(host), trainer(device)
+    rng = np.random.default_rng(0)
+    for s in range(10):
+        features, target = batch(rng)
+        got, want = step_h(host, opt_h, features, target), step_d(device, opt_d, features, target)
+        np.testing.assert_allclose(got, want, rtol=0 if exact else 1e-6, err_msg=f"step {s}")
+    assert_same_tables(host, device, exact)
+    placed = host.ebc.tables[0].get_value()
+    assert in_host_memory(placed.weights) and all(in_host_memory(getattr(placed.state, n))
+                                                  for n in placed.config.state_names)
+    assert int(placed.step) == 10 and len(host.ebc.caches) == 0
+    forward = nnx.jit(lambda m, f: m(f), donate_argnums=0)  # evaluation reads the host rows only
+    features, _ = batch(rng)
+    np.testing.assert_allclose(forward(host, features), forward(device, features), rtol=0 if exact else 1e-6)
+    assert_same_tables(host, device, exact)
+
+
 def test_evaluation_caches_rows_and_reads_them_alike(platform):
     optimizer = RowWiseAdagrad(learning_rate=0.3)
-    cached, device = collection(True, optimizer), collection(False, optimizer)
+    cached, device = collection("host_cached", optimizer), collection("device", optimizer)
     (step_c, opt_c), (step_d, opt_d) = trainer(cached), trainer(device)
     rng = np.random.default_rng(5)
     for _ in range(3):
@@ -179,11 +206,12 @@ def test_the_copy_handlers_check_their_operands(platform, change, message, x64):
         run(*operands)
 
 
+@pytest.mark.parametrize("placement", ["host", "host_cached"])
 @pytest.mark.parametrize("mode", ["WARNING", "NONE"])
-def test_bad_ids_follow_the_bounds_check_mode(mode):
+def test_bad_ids_follow_the_bounds_check_mode(mode, placement):
     optimizer = RowWiseAdagrad(learning_rate=0.3)
-    cached = collection(True, optimizer, bounds_check_mode=mode)
-    device = collection(False, optimizer, bounds_check_mode=mode)
+    cached = collection(placement, optimizer, bounds_check_mode=mode)
+    device = collection("device", optimizer, bounds_check_mode=mode)
     (step_c, opt_c), (step_d, opt_d) = trainer(cached), trainer(device)
     rng = np.random.default_rng(2)
     for s in range(4):
@@ -195,7 +223,7 @@ def test_bad_ids_follow_the_bounds_check_mode(mode):
 
 def test_a_batch_the_cache_cannot_hold_fails_its_step_and_keeps_the_model():
     optimizer = RowWiseAdagrad(learning_rate=0.3)
-    model = collection(True, optimizer)
+    model = collection("host_cached", optimizer)
     step, opt = trainer(model)
     rng = np.random.default_rng(3)
     step(model, opt, *batch(rng))
@@ -213,30 +241,43 @@ def test_a_batch_the_cache_cannot_hold_fails_its_step_and_keeps_the_model():
     for name in before:
         np.testing.assert_array_equal(after[name], before[name], err_msg=name)
     step(model, opt, *batch(rng))  # a batch that fits trains on
+    # placed in host memory without a cache, the batch trains as on the device
+    host, device = collection("host", optimizer), collection("device", optimizer)
+    (step_h, opt_h), (step_d, opt_d) = trainer(host), trainer(device)
+    np.testing.assert_array_equal(step_h(host, opt_h, features, jnp.ones(B)), step_d(device, opt_d, features, jnp.ones(B)))
+    assert_same_tables(host, device, exact=True)
 
 
 def test_checkpoints_and_the_portable_form_cross_placements(tmp_path):
     optimizer = Adam(learning_rate=0.01)
     rng = np.random.default_rng(4)
     batches = [batch(rng) for _ in range(6)]
-    cached = collection(True, optimizer)
+    cached = collection("host_cached", optimizer)
     step, opt = trainer(cached)
     for features, target in batches[:3]:
         step(cached, opt, features, target)
     # the NNX state, saved and restored into a fresh model: host buffers stay in host memory
     save_checkpoint(tmp_path / "ckpt", 3, nnx.state(cached))
-    resumed = collection(True, optimizer)
+    resumed = collection("host_cached", optimizer)
     state, _ = restore_checkpoint(tmp_path / "ckpt", nnx.state(resumed))
     nnx.update(resumed, state)
     assert in_host_memory(resumed.ebc.caches[0].get_value().rows.weights)
-    # the portable form, into a device-placed collection and back
-    device = collection(False, optimizer)
+    # the portable form, into a device-placed collection, a host-placed one and back
+    device = collection("device", optimizer)
     device.ebc.load_portable_tables(cached.ebc.portable_tables())
-    again = collection(True, optimizer)
-    again.ebc.load_portable_tables(device.ebc.portable_tables())
-    for other in (resumed, device, again):
+    host = collection("host", optimizer)
+    host.ebc.load_portable_tables(device.ebc.portable_tables())
+    assert in_host_memory(host.ebc.tables[0].get_value().weights)
+    save_checkpoint(tmp_path / "host", 3, nnx.state(host))
+    host_resumed = collection("host", optimizer)
+    state, _ = restore_checkpoint(tmp_path / "host", nnx.state(host_resumed))
+    nnx.update(host_resumed, state)
+    assert in_host_memory(host_resumed.ebc.tables[0].get_value().weights)
+    again = collection("host_cached", optimizer)
+    again.ebc.load_portable_tables(host_resumed.ebc.portable_tables())
+    for other in (resumed, device, host, host_resumed, again):
         assert_same_tables(other, cached, exact=True)
-    models = [cached, resumed, device, again]
+    models = [cached, resumed, device, host_resumed, again]
     trainers = [(step, opt)] + [trainer(m) for m in models[1:]]
     for features, target in batches[3:]:
         losses = [float(st(m, o, features, target)) for m, (st, o) in zip(models, trainers)]
@@ -250,9 +291,13 @@ def test_checkpoints_and_the_portable_form_cross_placements(tmp_path):
 def test_bad_placements_are_refused_with_the_fix(monkeypatch):
     config = dict(name="t", num_embeddings=1000, embedding_dim=8, feature_names=["f"])
     with pytest.raises(ValueError, match="placement must be one of"):
-        EmbeddingBagConfig(**config, placement="host")
+        EmbeddingBagConfig(**config, placement="uvm")
     with pytest.raises(ValueError, match="apply to placement='host_cached' only"):
         EmbeddingBagConfig(**config, cache_rows=128)
+    with pytest.raises(ValueError, match="apply to placement='host_cached' only; the table's placement is 'host'"):
+        EmbeddingBagConfig(**config, placement="host", cache_load_factor=0.5)
+    with pytest.raises(ValueError, match="not TT, not dynamic"):
+        EmbeddingBagConfig(**config, placement="host", tt=TTConfig(tt_ranks=(4,)))
     with pytest.raises(ValueError, match="cache_policy must be one of"):
         EmbeddingBagConfig(**config, placement="host_cached", cache_policy="fifo")
     with pytest.raises(ValueError, match="cache_rows or cache_load_factor, not both"):
@@ -264,8 +309,9 @@ def test_bad_placements_are_refused_with_the_fix(monkeypatch):
     cached = EmbeddingBagConfig(**config, placement="host_cached", cache_load_factor=0.3)
     assert cached.cache_size() == 384  # 300 rounded up to buckets of 128
     assert EmbeddingBagConfig(**config, placement="host_cached", cache_rows=5000).cache_size() == 1024
-    with pytest.raises(ValueError, match="give the collection a fused optimizer"):
-        EmbeddingBagCollection([cached], rngs=nnx.Rngs(0))
+    for placed in (cached, EmbeddingBagConfig(**config, placement="host")):
+        with pytest.raises(ValueError, match="placed in host memory.*give the collection a fused optimizer"):
+            EmbeddingBagCollection([placed], rngs=nnx.Rngs(0))
     with monkeypatch.context() as patch:  # the host copy is checked against host memory
         patch.setattr(_memory, "free_bytes", lambda device=None: 1 << 40)  # the device: room
         patch.setattr(_memory, "host_free_bytes", lambda: 1000)
@@ -275,13 +321,13 @@ def test_bad_placements_are_refused_with_the_fix(monkeypatch):
     ebc = EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
     plan = par.construct_plan([cached], {"t": par.table_wise(0)}, 2)
-    with pytest.raises(NotImplementedError, match="does not hold host-cached tables yet"):
+    with pytest.raises(NotImplementedError, match="does not hold such tables yet"):
         par.shard(ebc, plan, mesh)
 
 
 def test_a_group_larger_than_the_device_builds_in_host_memory(monkeypatch):
     """Two tables of 3.2 MB each on a device with 7 MB free: placed on the device they need
-    their 6.4 MB and as much again to draw them; host-cached, one table drawn at a time."""
+    their 6.4 MB and as much again to draw them; in host memory, one table drawn at a time."""
     monkeypatch.setattr(_memory, "free_bytes", lambda device=None: 7 * 10**6)
 
     def configs(**kw):
@@ -290,9 +336,12 @@ def test_a_group_larger_than_the_device_builds_in_host_memory(monkeypatch):
 
     with pytest.raises(ValueError, match="collection 'ebc' needs 0.01 GiB to build its tables"):
         EmbeddingBagCollection(configs(), optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
-    ebc = EmbeddingBagCollection(configs(placement="host_cached", cache_rows=1024),
-                                 optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
-    weights = ebc.split_embedding_weights()
+    placed = [EmbeddingBagCollection(configs(placement="host_cached", cache_rows=1024),
+                                     optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0)),
+              EmbeddingBagCollection(configs(placement="host"), optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))]
     want = EmbeddingBagConfig(name="t1", num_embeddings=100_000, embedding_dim=8, feature_names=["f1"])
-    assert weights["t1"].shape == (100_000, 8) and np.abs(weights["t1"]).max() <= want.init_bounds()[1]
-    assert not np.array_equal(weights["t0"], weights["t1"])  # each drawn from its own key
+    drawn = [ebc.split_embedding_weights() for ebc in placed]
+    for weights in drawn:
+        assert weights["t1"].shape == (100_000, 8) and np.abs(weights["t1"]).max() <= want.init_bounds()[1]
+        assert not np.array_equal(weights["t0"], weights["t1"])  # each drawn from its own key
+    np.testing.assert_array_equal(drawn[0]["t0"], drawn[1]["t0"])  # the same rows in either placement
