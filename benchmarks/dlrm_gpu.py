@@ -21,6 +21,9 @@ each timed in this one process with the same dense part and dense optimizer (Ada
                   cache's hit rate over the timed steps (give it fresh batches:
                   ``--batches 64``). A smaller table's 10% holds fewer rows than a batch of
                   65536 looks up in it, which the cache refuses;
+- jaxrec, fused, host: the same tables in host memory with no cache
+                  (``placement="host"``): each step reads its distinct rows over PCIe and
+                  writes them back;
 - plain JAX:      26 nnx.Embed-style tables (a gather per feature), optax.adagrad / sgd
                   over every parameter: the dense gradient of each table (XLA may turn
                   SGD's scatter into zeros + add into a scatter into the table);
@@ -171,9 +174,10 @@ def build(variant, keys, sizes, batch_size, dtype="float32", dense_dtype=None):
     else:
         config = Adagrad(learning_rate=0.01) if "exact_adagrad" in variant else RowWiseAdagrad(
             learning_rate=0.01)
-        if variant.endswith(HOST_CACHED):
+        if variant.endswith((HOST_CACHED, HOST)):
+            placed = CACHED if variant.endswith(HOST_CACHED) else {"placement": "host"}
             tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=n, embedding_dim=DIM, feature_names=[k],
-                                         dtype=dtype, **(CACHED if n >= LARGE else {}))
+                                         dtype=dtype, **(placed if n >= LARGE else {}))
                       for k, n in zip(keys, sizes)]
         elif variant.endswith(DYNAMIC):
             tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=-(-n // 128) * 128, embedding_dim=DIM,
@@ -218,6 +222,7 @@ UNGUARDED = "_unguarded"  # the same step with on_nonfinite="ignore": what the g
 BF16_DENSE = "_bf16_dense"  # the MLPs, interaction and cross net computed in bfloat16 (dtype=)
 DYNAMIC = "_dynamic"  # every table a dynamic vocabulary
 HOST_CACHED = "_host_cached"  # every large table in host memory, a 10% cache on the device
+HOST = "_host"  # every large table in host memory, no cache
 LARGE, CACHED = 1_000_000, {"placement": "host_cached", "cache_load_factor": 0.1}
 
 

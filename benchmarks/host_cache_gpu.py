@@ -1,4 +1,5 @@
-"""Host memory on the GPU: PCIe copy rates and the row exchange of host-cached tables.
+"""Host memory on the GPU: PCIe copy rates, the row gather of host-placed tables and the row
+exchange of host-cached tables.
 
     python benchmarks/host_cache_gpu.py --out benchmarks/results/host_cache_gpu_<device>.json
 
@@ -7,6 +8,10 @@ state) in host memory (JAX's ``pinned_host``):
 
 - the PCIe rates of bulk copies, host -> device and device -> host (``jax.device_put`` of
   a 1 GiB array): the ceiling;
+- the gather of a host-placed table (``placement="host"``): N random distinct rows, in
+  the sorted order that the lookup reads them in (and, to show why, in random order), of
+  the weights alone and of the weights with the state, into device memory; and the
+  write-back of N rows to host memory;
 - ``jaxrec.ops.host_cache.exchange_rows`` loading N random distinct rows into a device
   cache (a miss each), and writing N back while loading N (an eviction each): the bytes
   crossing PCIe per second, and their share of the copy rate of that direction.
@@ -27,7 +32,7 @@ import numpy as np
 
 from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._report import write_json
-from jaxrec.ops.host_cache import exchange_rows, to_host_memory
+from jaxrec.ops.host_cache import copy_rows, exchange_rows, to_host_memory
 
 DIM = 128
 
@@ -64,6 +69,58 @@ def exchange_rate(cache, host, n: int, evict: bool, rng) -> dict:
     return {"rows": n, "evict": evict, "ms": seconds * 1e3, "gb_per_s": moved / seconds / 1e9}, cache, host
 
 
+def _gather(buffers, rows, n: int, total: int):
+    at = jnp.arange(n, dtype=jnp.int32)
+    return [copy_rows(jnp.zeros((b.size // total * n,), b.dtype), at, b, rows, dst_num_rows=n, src_num_rows=total)
+            for b in buffers]
+
+
+def _scatter(buffers, rows, scratch, n: int, total: int):
+    at = jnp.arange(n, dtype=jnp.int32)
+    return [copy_rows(b, rows, s, at, dst_num_rows=total, src_num_rows=n) for b, s in zip(buffers, scratch)]
+
+
+def gather_rate(host, n: int, rng, *, ordered: bool, with_state: bool) -> dict:
+    """The host placement's gather of ``n`` random distinct rows (sorted if ``ordered``):
+    ms and GB/s of the rows moved."""
+    total = host[1].size
+    buffers = host if with_state else host[:1]
+    run = jax.jit(lambda b, rows: _gather(b, rows, n, total))
+    times = []
+    for i in range(23):
+        rows = rng.choice(total, size=n, replace=False).astype(np.int32)
+        rows = jnp.asarray(np.sort(rows) if ordered else rows)
+        jax.block_until_ready(rows)
+        start = time.perf_counter()
+        jax.block_until_ready(run(buffers, rows))
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    moved = n * (DIM + (1 if with_state else 0)) * 4
+    return {"op": "gather", "rows": n, "sorted": ordered, "with_state": with_state, "ms": seconds * 1e3,
+            "gb_per_s": moved / seconds / 1e9}
+
+
+def write_back_rate(host, n: int, rng) -> tuple[dict, list]:
+    """The host placement's write-back of ``n`` sorted random distinct rows, weights and state."""
+    total = host[1].size
+    scratch = [jnp.ones((b.size // total * n,), b.dtype) for b in host]
+    run = jax.jit(lambda b, rows, s: _scatter(b, rows, s, n, total), donate_argnums=0)
+    times = []
+    for i in range(23):
+        rows = jnp.asarray(np.sort(rng.choice(total, size=n, replace=False)).astype(np.int32))
+        jax.block_until_ready(rows)
+        start = time.perf_counter()
+        host = run(host, rows, scratch)
+        jax.block_until_ready(host)
+        if i >= 3:
+            times.append(time.perf_counter() - start)
+    seconds = statistics.median(times)
+    moved = n * (DIM + 1) * 4
+    return {"op": "write_back", "rows": n, "sorted": True, "with_state": True, "ms": seconds * 1e3,
+            "gb_per_s": moved / seconds / 1e9}, host
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out")
@@ -84,7 +141,16 @@ def main(argv=None) -> int:
     host = [to_host_memory(jax.random.normal(jax.random.key(0), (args.rows * DIM,), jnp.float32)),
             to_host_memory(jnp.zeros((args.rows,), jnp.float32))]
     cache = [jnp.zeros((args.cache_rows * DIM,), jnp.float32), jnp.zeros((args.cache_rows,), jnp.float32)]
-    result.update(host_rows=args.rows, cache_rows=args.cache_rows, dim=DIM, runs=[])
+    result.update(host_rows=args.rows, cache_rows=args.cache_rows, dim=DIM, runs=[], host_placement=[])
+    for n in (65_536, 524_288):
+        runs = [gather_rate(host, n, rng, ordered=o, with_state=w) for o, w in ((True, False), (True, True),
+                                                                              (False, False))]
+        back, host = write_back_rate(host, n, rng)
+        for run in (*runs, back):
+            ceiling = result["copy_gb_per_s"]["host_to_device" if run["op"] == "gather" else "device_to_host"]
+            run["of_copy"] = run["gb_per_s"] / ceiling
+            result["host_placement"].append(run)
+            print(run, file=sys.stderr, flush=True)
     for n in (16_384, 131_072, 524_288):
         for evict in (False, True):
             run, cache, host = exchange_rate(cache, host, n, evict, rng)
