@@ -318,6 +318,12 @@ def test_bad_placements_are_refused_with_the_fix(monkeypatch):
         with pytest.raises(ValueError, match=r"places 0.00 GiB of tables and optimizer state in host memory "
                                              r"\(tables \['t'\]\) but the host has"):
             EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
+    with monkeypatch.context() as patch:  # on the GPU, XLA's cap on host memory is checked too
+        patch.setattr(_memory, "free_bytes", lambda device=None: 1 << 40)
+        patch.setattr(_memory, "host_limit_bytes", lambda: 1000)
+        with pytest.raises(ValueError, match="XLA hands out at most 0.00 GiB of it on the GPU: set "
+                                             "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB to 8 or more"):
+            EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     ebc = EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
     mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
     plan = par.construct_plan([cached], {"t": par.table_wise(0)}, 2)

@@ -66,11 +66,32 @@ def check_fits(collection: str, tables: dict[str, int], state_bytes: int, drawin
         "it (tt=TTConfig(...)) or shard the tables over devices (jaxrec.parallel).")
 
 
+HOST_LIMIT_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""XLA's cap on the pinned host memory that JAX's GPU client hands out (its host memory
+kind), in GiB; 64 unless set before JAX starts."""
+
+
+def host_limit_bytes() -> int | None:
+    """Bytes of host memory JAX may place arrays in: XLA's cap on the GPU
+    (``HOST_LIMIT_VARIABLE``); ``None`` (no cap but the system's) elsewhere."""
+    if jax.devices()[0].platform != "gpu":
+        return None
+    return int(float(os.environ.get(HOST_LIMIT_VARIABLE, "64")) * _GIB)
+
+
 def check_host_fits(collection: str, tables: dict[str, int], available: int | None = None) -> None:
     """Raises ``ValueError`` when tables in host memory (host-placed or host-cached) and
-    their optimizer state (``{name: bytes}``) exceed the host memory available."""
-    available = host_free_bytes() if available is None else available
+    their optimizer state (``{name: bytes}``) exceed the host memory available, or on the
+    GPU XLA's cap on it."""
     need = sum(tables.values())
+    limit = host_limit_bytes()
+    if limit is not None and need > limit:
+        raise ValueError(
+            f"collection {collection!r} places {need / _GIB:.2f} GiB of tables and optimizer state in host "
+            f"memory (tables {sorted(tables)}) but XLA hands out at most {limit / _GIB:.2f} GiB of it on the "
+            f"GPU: set {HOST_LIMIT_VARIABLE} to {int(need / _GIB) + 8} or more (GiB) before JAX starts, "
+            f"e.g. `export {HOST_LIMIT_VARIABLE}={int(need / _GIB) + 8}`.")
+    available = host_free_bytes() if available is None else available
     if available is None or need <= available:
         return
     largest = max(tables, key=tables.get)
