@@ -244,7 +244,8 @@ def test_a_batch_the_cache_cannot_hold_fails_its_step_and_keeps_the_model():
     # placed in host memory without a cache, the batch trains as on the device
     host, device = collection("host", optimizer), collection("device", optimizer)
     (step_h, opt_h), (step_d, opt_d) = trainer(host), trainer(device)
-    np.testing.assert_array_equal(step_h(host, opt_h, features, jnp.ones(B)), step_d(device, opt_d, features, jnp.ones(B)))
+    np.testing.assert_array_equal(step_h(host, opt_h, features, jnp.ones(B)),
+                                  step_d(device, opt_d, features, jnp.ones(B)))
     assert_same_tables(host, device, exact=True)
 
 
