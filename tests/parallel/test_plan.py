@@ -166,3 +166,31 @@ def test_the_default_hbm_cap_is_most_of_the_device_allocator(monkeypatch):
     monkeypatch.setattr(jax, "local_devices", lambda: [Reporting()])
     assert par.Topology(world_size=2).hbm_cap == int((80 << 30) * 0.8)
     assert par.Topology(world_size=2, hbm_cap=5).hbm_cap == 5
+
+
+def test_when_device_memory_runs_out_the_planner_places_tables_in_host_memory(tmp_path):
+    """10**6 x 64 float32 rows with row-wise state: 0.24 GiB, more than two devices of 64 MiB
+    hold even split by rows; with a fused optimizer the planner places it in host memory
+    (counted against ddr_cap), the small table stays on the device."""
+    import dataclasses
+
+    tables = [par.TableSpec("huge", 10**6, 64, ("x",)), par.TableSpec("small", 1000, 64, ("y",))]
+    topology = par.Topology(world_size=2, hbm_cap=64 << 20, ddr_cap=GIB)
+    fused = RowWiseAdagrad(learning_rate=0.1)
+    p = par.EmbeddingShardingPlanner(topology, optimizer=fused).plan(tables)
+    assert p["huge"].placement == "host" and p["small"].placement is None
+    stats = p.stats
+    assert stats.memory <= topology.hbm_cap and 0 < stats.host_memory <= topology.ddr_cap
+    per_device = max(s.num_rows for s in p["huge"].shards) * (64 * 4 + 4)  # rows and their state
+    assert stats.host_memory == per_device
+    assert par.ShardingPlan.load(p.save(tmp_path / "plan.json")) == p
+    assert json.loads((tmp_path / "plan.json").read_text())["tables"]["huge"]["placement"] == "host"
+    with pytest.raises(par.PlannerError, match="no plan fits"):  # plain tables stay on the device
+        par.EmbeddingShardingPlanner(topology).plan(tables)
+    with pytest.raises(par.PlannerError, match=r"0.12 GiB of host memory per device \(ddr_cap 1.0 MiB\)"):
+        par.EmbeddingShardingPlanner(dataclasses.replace(topology, ddr_cap=1 << 20), optimizer=fused).plan(tables)
+    # a table whose config places it in host memory is planned there, never data-parallel
+    hosted = [dataclasses.replace(t, placement="host") for t in tables]
+    p = par.EmbeddingShardingPlanner(par.Topology(world_size=2, hbm_cap=GIB, ddr_cap=GIB), optimizer=fused).plan(hosted)
+    assert all(ps.placement is None and ps.sharding_type != ST.DATA_PARALLEL for ps in p.values())
+    assert p.stats.host_memory > 0 and build_layout(hosted, p).groups[0].host

@@ -79,7 +79,7 @@ class PlanStats:
     compute: tuple[float, ...]
     communication: float
     memory: int
-    """Bytes per device (the same on every device)."""
+    """Bytes of device memory per device (the same on every device)."""
     weights: int
     optimizer_state: int
     buffers: int
@@ -89,6 +89,8 @@ class PlanStats:
     """Each table's weight + state bytes summed over devices (without SPMD padding)."""
     balance_tolerance: float | None = None
     proposals: int = 1
+    host_memory: int = 0
+    """Bytes of host memory per device: the tables placed there and their optimizer state."""
 
     @property
     def imbalance(self) -> float:
@@ -97,11 +99,12 @@ class PlanStats:
 
     @property
     def fits(self) -> bool:
-        return self.memory <= self.topology.hbm_cap
+        return self.memory <= self.topology.hbm_cap and self.host_memory <= self.topology.ddr_cap
 
     def to_json(self) -> dict:
         return {"perf_ms": [p * 1e3 for p in self.perf], "memory_bytes": self.memory,
-                "hbm_cap_bytes": self.topology.hbm_cap, "imbalance": self.imbalance,
+                "hbm_cap_bytes": self.topology.hbm_cap, "host_memory_bytes": self.host_memory,
+                "ddr_cap_bytes": self.topology.ddr_cap, "imbalance": self.imbalance,
                 "balance_tolerance": self.balance_tolerance, "batch_size": self.topology.batch_size}
 
 
@@ -156,21 +159,27 @@ def estimate(tables: Sequence[TableSpec], plan: ShardingPlan, topology: Topology
         comm_bytes += bags_global * dp_width * 4 if fused else 2 * dp_rows * 4
     communication = topology.send_seconds(comm_bytes)
 
-    weights = opt = 0
+    weights = opt = host = 0
     for group in layout.groups:
         wb = jnp.dtype(group.dtype).itemsize
         rows = sum(group.layout.rows)
         elems = sum(r * d for r, d in zip(group.layout.rows, group.layout.dims))
+        if group.host:  # in host memory; the device holds each batch's rows of it
+            host += elems * (wb + sb.per_element) + rows * sb.per_row
+            continue
         weights += elems * wb
         opt += elems * sb.per_element + rows * sb.per_row
     buffers = gathered * 12 + n * b * len(layout.features) * 4
     for group in layout.groups:
         buffers += gathered * _BUILD_BYTES_PER_ID + 3 * bags_global * group.width * 4
+        if group.host:  # the batch's rows gathered from host memory, one per id at most
+            buffers += gathered * (group.layout.dims[0] * (jnp.dtype(group.dtype).itemsize + sb.per_element)
+                                   + sb.per_row)
     buffers += 2 * b * layout.total_dim * 4
     perf = tuple(float(c + communication) for c in compute)
     return PlanStats(topology, perf, tuple(float(c) for c in compute), float(communication),
                      int(weights + opt + buffers), int(weights), int(opt), int(buffers),
-                     table_perf, table_memory, balance_tolerance, proposals)
+                     table_perf, table_memory, balance_tolerance, proposals, int(host))
 
 
 def shard_bytes(rho: float, cols: int, ids: float, bags: float, wb: int, sb: StateBytes) -> float:

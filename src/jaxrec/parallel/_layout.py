@@ -28,6 +28,9 @@ Groups, by how their pooled results travel back to the batch owners:
 * ``dp``: DATA_PARALLEL tables, by dtype: the whole tables on every device, in a
   normal ``TableLayout``; no communication in the forward.
 
+Tables placed in host memory (``placement="host"``) form a2a and reduce groups apart
+(``Group.host``).
+
 This module is pure Python and NumPy (no Flax): the planner uses it to count memory.
 """
 
@@ -75,6 +78,9 @@ class Group:
     pieces: tuple[Piece, ...]
     dynamic: bool = False
     """One dynamic-vocabulary table (ROW_WISE, equal blocks): ids map to rows by its hash index."""
+    host: bool = False
+    """Placed in host memory (``placement="host"``): each device's virtual table lives in its
+    host memory, and each lookup reads the batch's rows (jaxrec.nn.host_tables)."""
 
     @property
     def num_slots(self) -> int:
@@ -144,25 +150,30 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
     feature_table = tuple(i for i, t in enumerate(tables) for _ in t.features)
     first_feature = np.concatenate([[0], np.cumsum([len(t.features) for t in tables])])
     kinds = tuple(plan[t.name].sharding_type for t in tables)
+    hosted = tuple(placement(t, plan) == "host" for t in tables)
 
     buckets: dict[tuple, list[int]] = {}
     for i, (t, kind) in enumerate(zip(tables, kinds)):
         if kind == ShardingType.DATA_PARALLEL:
-            key = (DP, 0, t.dtype, "")
-        elif kind == ShardingType.ROW_WISE:
-            key = (REDUCE, t.dim, t.dtype, t.name if t.dynamic else "")  # dynamic: a group of its own
+            if hosted[i]:
+                raise ValueError(f"table {t.name!r} is placed in host memory, which its DATA_PARALLEL "
+                                 "sharding (a copy on every device) cannot use: shard it TABLE_WISE, "
+                                 "ROW_WISE or COLUMN_WISE, or place it on the device")
+            key = (DP, 0, t.dtype, "", False)
+        elif kind == ShardingType.ROW_WISE:  # dynamic: a group of its own
+            key = (REDUCE, t.dim, t.dtype, t.name if t.dynamic else "", hosted[i])
         else:
             for s in plan[t.name].shards:
-                buckets.setdefault((A2A, s.num_cols, t.dtype, ""), [])
-                if i not in buckets[(A2A, s.num_cols, t.dtype, "")]:
-                    buckets[(A2A, s.num_cols, t.dtype, "")].append(i)
+                members = buckets.setdefault((A2A, s.num_cols, t.dtype, "", hosted[i]), [])
+                if i not in members:
+                    members.append(i)
             continue
         buckets.setdefault(key, []).append(i)
 
     groups, where = [], {}  # where[(table, device, feature)] = (group, slot)
     order = sorted(buckets, key=lambda k: ({A2A: 0, REDUCE: 1, DP: 2}[k[0]], min(buckets[k])))
-    for kind, dim, dtype, dynamic in order:
-        members = buckets[(kind, dim, dtype, dynamic)]
+    for kind, dim, dtype, dynamic, host in order:
+        members = buckets[(kind, dim, dtype, dynamic, host)]
         g = len(groups)
         if kind == DP:
             groups.append(_dp_group(tables, members, dtype, n, first_feature))
@@ -171,11 +182,16 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
                 where[(t, -1, f)] = (g, slot)
             continue
         group, slots = _sharded_group(kind, dim, dtype, members, tables, plan, first_feature)
-        groups.append(dataclasses.replace(group, dynamic=bool(dynamic)))
+        groups.append(dataclasses.replace(group, dynamic=bool(dynamic), host=host))
         where.update({key: (g, slot) for key, slot in slots.items()})
 
     contributors = _contributors(tables, kinds, plan, groups, where, n)
     return ShardedLayout(n, tables, kinds, features, feature_table, tuple(groups), contributors)
+
+
+def placement(table: TableSpec, plan: ShardingPlan) -> str:
+    """Where ``table``'s rows live under ``plan``: the plan's placement, else the config's."""
+    return plan[table.name].placement or table.placement
 
 
 def _check_dynamic(table: TableSpec, sharding, n: int) -> None:

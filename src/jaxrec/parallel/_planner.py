@@ -11,7 +11,10 @@ Stages (each a function below, as TorchRec's planner has them):
    the device with the least load so far (ties: the fewest rows of its group, which keeps
    the SPMD padding small). This is LPT scheduling: within 4/3 of the best makespan.
 3. **fit**: while the estimated memory per device exceeds ``hbm_cap``, the largest
-   table not yet split by rows becomes ROW_WISE (TABLE_ROW_WISE if only that is allowed).
+   table not yet split by rows becomes ROW_WISE (TABLE_ROW_WISE if only that is allowed);
+   once every table that may be is split, the largest table still in device memory is
+   placed in host memory (``placement="host"``, with a fused optimizer; counted against
+   ``ddr_cap``), as TorchRec's planner turns to UVM when HBM runs out.
 4. **balance**: while the slowest device is more than ``balance_tolerance`` above the
    mean, split the largest table of each of the k slowest devices (COLUMN_WISE in two, or
    ROW_WISE) for k = 1, 2, ..., and keep the proposal that lowers the slowest device's
@@ -62,6 +65,8 @@ class PlannerError(ValueError):
 class _Choice:
     kind: ST
     column_shards: int = 1
+    placement: str | None = None
+    """``"host"`` once the fit stage places the table in host memory; None: its config's."""
 
 
 class EmbeddingShardingPlanner:
@@ -103,7 +108,7 @@ class EmbeddingShardingPlanner:
             if stats.fits:
                 break
             smallest = stats if smallest is None or stats.memory < smallest.memory else smallest
-            bigger = self._split_for_memory(specs, choices)
+            bigger = self._split_for_memory(specs, choices) or self._place_in_host(specs, choices)
             if bigger is None or proposals >= self.max_proposals:
                 raise PlannerError(self._no_fit_message(smallest))
             choices = bigger
@@ -139,6 +144,8 @@ class EmbeddingShardingPlanner:
             return [ST.ROW_WISE]
         allowed = list(c.sharding_types) if c and c.sharding_types else [
             ST.TABLE_WISE, ST.COLUMN_WISE, ST.ROW_WISE, ST.DATA_PARALLEL]
+        if spec.placement != "device" and ST.DATA_PARALLEL in allowed and len(allowed) > 1:
+            allowed.remove(ST.DATA_PARALLEL)  # a copy on every device has no place in host memory
         separable = self.optimizer is None or type(self.optimizer).__name__ in _COLUMN_SEPARABLE
         if not separable or spec.dim < 2 * MIN_COLUMN_SHARD:
             if c and c.sharding_types == (ST.COLUMN_WISE,) and not separable:
@@ -240,6 +247,9 @@ class EmbeddingShardingPlanner:
             shardings[name] = ParameterSharding(sharding_type=kind,
                                                 ranks=tuple(s.device for s in shards),
                                                 shards=tuple(shards))
+        for name, choice in choices.items():
+            if choice.placement is not None:
+                shardings[name] = dataclasses.replace(shardings[name], placement=choice.placement)
         return ShardingPlan({s.name: shardings[s.name] for s in specs}, n, topo.local_world_size)
 
     def _quiet_host(self, load: list[float]) -> int:
@@ -281,6 +291,19 @@ class EmbeddingShardingPlanner:
         _, name, target = max(candidates)
         return {**choices, name: _Choice(target)}
 
+    def _place_in_host(self, specs, choices) -> dict[str, _Choice] | None:
+        """The largest table still in device memory placed in host memory; None when none
+        may be (plain tables, dynamic vocabularies, data-parallel ones)."""
+        if self.optimizer is None:
+            return None
+        candidates = [(spec.rows * spec.dim * _itemsize(spec.dtype), spec.name) for spec in specs
+                      if spec.placement == "device" and choices[spec.name].placement is None and not spec.dynamic
+                      and choices[spec.name].kind != ST.DATA_PARALLEL]
+        if not candidates:
+            return None
+        _, name = max(candidates)
+        return {**choices, name: dataclasses.replace(choices[name], placement="host")}
+
     def _split_for_balance(self, specs, choices, plan: ShardingPlan, stats: PlanStats, k: int
                            ) -> dict[str, _Choice] | None:
         """Splits the most expensive splittable table of each of the k slowest devices."""
@@ -314,12 +337,17 @@ class EmbeddingShardingPlanner:
     def _no_fit_message(self, stats: PlanStats) -> str:
         """``stats``: the plan tried that needed the least memory per device."""
         floor = sum(stats.table_memory.values()) / stats.topology.world_size
+        host = (f" and {_size(stats.host_memory)} of host memory per device (ddr_cap "
+                f"{_size(stats.topology.ddr_cap)})") if stats.host_memory else ""
+        fallback = ("" if self.optimizer is None else
+                    ", or give the host more memory for tables placed there (Topology.ddr_cap)")
         return (f"no plan fits: the best one needs {_size(stats.memory)} per device "
                 f"(weights {_size(stats.weights)}, optimizer state {_size(stats.optimizer_state)}, "
-                f"buffers {_size(stats.buffers)}) but hbm_cap is {_size(stats.topology.hbm_cap)}; "
+                f"buffers {_size(stats.buffers)}){host} but hbm_cap is {_size(stats.topology.hbm_cap)}; "
                 f"spread evenly over the {stats.topology.world_size} devices, the tables and their "
                 f"optimizer state alone need {_size(floor)} per device. Add devices, allow "
-                "ROW_WISE for the large tables, use a smaller batch, or float16 / bfloat16 tables")
+                "ROW_WISE for the large tables, use a smaller batch, or float16 / bfloat16 tables"
+                f"{fallback}")
 
 
 def _size(nbytes: float) -> str:

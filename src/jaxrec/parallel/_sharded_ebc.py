@@ -46,12 +46,14 @@ from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection, host_cache
 from jaxrec.nn.dynamic import DynamicIndex, check_collection, check_dynamic_table, statistics
 from jaxrec.nn.dynamic import to_portable as index_to_portable
+from jaxrec.nn.host_tables import batch_rows
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, hash_table
 from jaxrec.ops.bounds_check import as_bounds_check_mode
+from jaxrec.ops.host_cache import HOST_MEMORY
 from jaxrec.ops.tbe_kjt import features_in_order, require_features
 from jaxrec.optim import SGD, Adagrad, Adam, OptimizerConfig
 from jaxrec.parallel import _dist, _dynamic, _row_return
-from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout
+from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout, placement
 from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
 from jaxrec.parallel._table_spec import table_specs
 from jaxrec.parallel._types import ShardingPlan, ShardingType
@@ -135,13 +137,16 @@ class ShardedEmbeddingBagCollection(TableCollection):
             raise ValueError(f"comm_dtype must be one of {[d.name for d in _COMM_DTYPES]}, got "
                              f"{comm_dtype.name}")
         check_collection(tables, optimizer)
-        host_cache.check_collection(tables, optimizer, sharded=True)
         for t in tables:
             if getattr(t, "dynamic", None) is not None:
                 _dynamic.check(t, plan.world_size)
         if (rngs is None) == (initial is None):
             raise ValueError("pass exactly one of rngs= (new tables) or initial= (portable tables)")
-        self.layout = build_layout(table_specs(tables), plan)
+        specs = table_specs(tables)
+        host_cache.check_collection(tables, optimizer, sharded=True,
+                                    placements=[placement(t, plan) if t.name in plan else t.placement
+                                                for t in specs])
+        self.layout = build_layout(specs, plan)
         column_wise = [t.name for t, k in zip(tables, self.layout.kinds)
                        if k == ShardingType.COLUMN_WISE]
         if column_wise and optimizer is not None and not isinstance(optimizer, _COLUMN_SEPARABLE):
@@ -292,6 +297,10 @@ class ShardedEmbeddingBagCollection(TableCollection):
                     ids, row, mean & here, batch * max_ids, **need)
             else:
                 group_values, offsets, psw = _dist.group_input(ids, row, mean & here, **need)
+            if group.host:  # the batch's rows, from this device's host memory (nn/host_tables.py)
+                valid = jnp.arange(group_values.shape[0], dtype=offsets.dtype) < offsets[-1]
+                group_values, table = batch_rows(table, group_values.astype(jnp.int32), valid)
+                group_values = group_values.astype(offsets.dtype)
             repeated = group.kind == DP and self.fused  # the global batch, on every device
             if repeated and psw is not None:
                 psw = _dist.repeated(psw, layout.world_size)
@@ -435,7 +444,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
         for g, group in enumerate(self.layout.groups):
             members = sorted({p.table for p in group.pieces})
             spec = P() if group.kind == DP else P(self.axis_name)
-            sharding = NamedSharding(self.mesh, spec)
+            sharding = NamedSharding(self.mesh, spec, memory_kind=HOST_MEMORY if group.host else None)
             weights = {t: portable[names[t]]["weights"] for t in members}
             flat = jax.device_put(pack_group(group, n, weights, False, group.dtype), sharding)
             if not self.fused:
@@ -468,11 +477,14 @@ class ShardedEmbeddingBagCollection(TableCollection):
         return out
 
     def _unpack(self, buffers, per_row: bool) -> list[jax.Array]:
+        """Each table's portable array from the group buffers, placed on the mesh; a table
+        in host memory stays a NumPy array (the devices need not have room for it)."""
         shapes = [(t.num_embeddings,) + (() if per_row else (t.embedding_dim,))
                   for t in self.table_configs]
         tables = unpack(self.layout, buffers, per_row)
-        return [jax.device_put(x, portable_sharding(self.mesh, self.axis_name, s))
-                for x, s in zip(tables, shapes)]
+        hosted = [placement(t, self.plan) == "host" for t in self.layout.tables]
+        return [x if host else jax.device_put(x, portable_sharding(self.mesh, self.axis_name, s))
+                for x, s, host in zip(tables, shapes, hosted)]
 
 
 def _max_ids(bound, features: Sequence[str]) -> tuple[int, ...]:

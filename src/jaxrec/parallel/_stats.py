@@ -3,6 +3,7 @@
     --- jaxrec sharding plan: 8 devices (1 host x 8), batch 8192 per device ---
     table     type          devices   shards (rows x cols)   compute (ms)   memory (GiB)
     t_C1      row_wise      0-7       8 x 4985551x128             1.234          20.41
+    ...       (a type followed by "(host)": the table is placed in host memory)
     ...
     device   memory (GiB)        step (ms)   compute   shards
     0        12.30 / 16.00 (77%)     2.310     2.100   TW 3, RW 4
@@ -44,7 +45,8 @@ def format_plan(plan) -> str:
         perf = f"{stats.table_perf[name] * 1e3:.3f}" if stats else "-"
         mem = f"{stats.table_memory[name] / gib:.3f}" if stats else "-"
         hosts = _devices({r // local for r in ps.ranks})
-        rows.append((name, ps.sharding_type.value, _devices(ps.ranks), hosts, _shards(ps), perf, mem))
+        kind = ps.sharding_type.value + (" (host)" if ps.placement == "host" else "")
+        rows.append((name, kind, _devices(ps.ranks), hosts, _shards(ps), perf, mem))
     lines += _columns(rows)
     if stats is None:
         return "\n".join(lines)
@@ -65,7 +67,10 @@ def format_plan(plan) -> str:
                  + (f" (tolerance {1 + tol:.2f})" if tol is not None else "")
                  + f"; communication {stats.communication * 1e3:.3f} ms per device; memory per "
                  f"device: weights {stats.weights / gib:.2f}, optimizer {stats.optimizer_state / gib:.2f}"
-                 f", buffers {stats.buffers / gib:.2f} GiB; {stats.proposals} proposal(s)")
+                 f", buffers {stats.buffers / gib:.2f} GiB"
+                 + (f", host memory {stats.host_memory / gib:.2f} / {stats.topology.ddr_cap / gib:.2f} GiB"
+                    if stats.host_memory else "")
+                 + f"; {stats.proposals} proposal(s)")
     return "\n".join(lines)
 
 

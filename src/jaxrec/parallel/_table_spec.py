@@ -25,11 +25,13 @@ class TableSpec:
     dtype: str = "float32"
     dynamic: bool = False
     """A dynamic vocabulary (``EmbeddingBagConfig(dynamic=...)``): ROW_WISE over every device."""
+    placement: str = "device"
+    """``EmbeddingBagConfig.placement``: ``"device"``, ``"host"`` or ``"host_cached"``."""
 
 
 def table_specs(tables) -> tuple[TableSpec, ...]:
     """TableSpecs of table configs with ``name``, ``num_embeddings``, ``embedding_dim``,
-    ``feature_names`` (and optionally ``pooling``, ``dtype``)."""
+    ``feature_names`` (and optionally ``pooling``, ``dtype``, ``dynamic``, ``placement``)."""
     specs = []
     for t in tables:
         if isinstance(t, TableSpec):
@@ -40,7 +42,8 @@ def table_specs(tables) -> tuple[TableSpec, ...]:
                                    tuple(t.feature_names),
                                    as_pooling_mode(getattr(t, "pooling", PoolingMode.SUM)),
                                    jnp.dtype(getattr(t, "dtype", "float32")).name,
-                                   getattr(t, "dynamic", None) is not None))
+                                   getattr(t, "dynamic", None) is not None,
+                                   getattr(t, "placement", "device")))
         except AttributeError as e:
             raise TypeError(f"tables must be EmbeddingBagConfig-like (name, num_embeddings, "
                             f"embedding_dim, feature_names), got {t!r}: {e}") from None

@@ -7,6 +7,7 @@ import dataclasses
 
 import jax
 
+from jaxrec.nn._memory import host_free_bytes, host_limit_bytes
 from jaxrec.parallel._types import ShardingType, as_sharding_type
 
 
@@ -34,6 +35,10 @@ class Topology:
     """Bytes/s one device sends to peers of its host (NVLink)."""
     inter_host_bw: float = 5.0e10
     """Bytes/s one device sends to other hosts (network)."""
+    ddr_cap: int | None = None
+    """Bytes of host memory per device that tables placed in host memory may use
+    (TorchRec's name). Default: the host's available memory, on the GPU at most XLA's cap
+    on host memory (``XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB``), shared by the host's devices."""
 
     def __post_init__(self):
         local = self.world_size if self.local_world_size is None else self.local_world_size
@@ -41,10 +46,13 @@ class Topology:
         if self.hbm_cap is None:
             stats = jax.local_devices()[0].memory_stats() or {}
             object.__setattr__(self, "hbm_cap", int(stats.get("bytes_limit", 16 << 30) * 0.8))
+        if self.ddr_cap is None:
+            caps = [c for c in (host_free_bytes(), host_limit_bytes()) if c is not None]
+            object.__setattr__(self, "ddr_cap", int(min(caps, default=64 << 30) * 0.8) // int(local))
         if self.world_size < 1 or local < 1 or self.world_size % local:
             raise ValueError(f"need world_size >= 1 and local_world_size dividing it, got "
                              f"world_size={self.world_size}, local_world_size={local}")
-        for name in ("hbm_cap", "batch_size", "hbm_bw", "intra_host_bw", "inter_host_bw"):
+        for name in ("hbm_cap", "ddr_cap", "batch_size", "hbm_bw", "intra_host_bw", "inter_host_bw"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"Topology.{name} must be > 0, got {getattr(self, name)!r}")
 

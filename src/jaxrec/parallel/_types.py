@@ -84,8 +84,16 @@ class ParameterSharding:
     ranks: tuple[int, ...]
     """The devices that hold a piece of the table (all of them for DATA_PARALLEL)."""
     shards: tuple[Shard, ...] = ()
+    placement: str | None = None
+    """Where the shards' rows live: ``"device"`` or ``"host"`` (host memory, each batch's
+    rows read over PCIe: ``EmbeddingBagConfig.placement``); None: the table config's. The
+    planner sets ``"host"`` for tables that device memory cannot hold (TorchRec's
+    ``compute_kernel``)."""
 
     def __post_init__(self):
+        if self.placement not in (None, "device", "host"):
+            raise ValueError(f"placement must be None (the table config's), 'device' or 'host', got "
+                             f"{self.placement!r}")
         object.__setattr__(self, "sharding_type", as_sharding_type(self.sharding_type))
         object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
         object.__setattr__(self, "shards", tuple(self.shards))
@@ -262,6 +270,8 @@ class ShardingPlan:
                             "shards": [{"rows": [s.row_offset, s.num_rows],
                                         "cols": [s.col_offset, s.num_cols], "device": s.device}
                                        for s in ps.shards]}
+            if ps.placement is not None:
+                tables[name]["placement"] = ps.placement
         out = {"format": _FORMAT, "world_size": self.world_size,
                "local_world_size": self.local_world_size, "tables": tables}
         if self.stats is not None and hasattr(self.stats, "to_json"):
@@ -279,7 +289,8 @@ class ShardingPlan:
                                  col_offset=s["cols"][0], num_cols=s["cols"][1],
                                  device=s["device"]) for s in entry["shards"])
             shardings[name] = ParameterSharding(sharding_type=entry["sharding_type"],
-                                                ranks=tuple(entry["ranks"]), shards=shards)
+                                                ranks=tuple(entry["ranks"]), shards=shards,
+                                                placement=entry.get("placement"))
         return cls(shardings, data["world_size"], data.get("local_world_size"))
 
     def save(self, path) -> pathlib.Path:

@@ -1,0 +1,88 @@
+"""Sharded tables placed in host memory (``placement="host"``): each device's shards live in
+its host memory and each lookup reads the batch's rows (jaxrec.nn.host_tables).
+
+Training a sharded model whose TABLE_WISE, ROW_WISE, COLUMN_WISE and TABLE_ROW_WISE
+tables are host-placed (by their configs, or by the plan) equals training the unsharded
+model with every table on the device: losses, tables, optimizer state and step. The
+tables stay in host memory through the steps and come back whole in their portable form,
+which loads into either placement. A data-parallel table cannot be host-placed."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from parallel_testing import TABLES, B, Model, N, build, mesh, plan, random_batch, squared_error
+
+import jaxrec.parallel as par
+from jaxrec.nn import EmbeddingBagCollection, make_train_step
+from jaxrec.ops.host_cache import in_host_memory
+from jaxrec.optim import Adam, RowWiseAdagrad
+from jaxrec.parallel._sharded_ebc import portable_from_collection
+
+RTOL, ATOL = 2e-5, 1e-6  # as tests/parallel/test_sharded_training.py: sums in another order
+HOSTED = {"t_user", "t_item", "t_geo", "t_x"}  # every table but the data-parallel t_tiny
+
+
+def host_placed(optimizer) -> Model:
+    tables = [dataclasses.replace(t, placement="host") if t.name in HOSTED else t for t in TABLES]
+    return Model(EmbeddingBagCollection(tables, optimizer=optimizer, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+
+
+def by_plan(kind: str) -> par.ShardingPlan:
+    """The plan of ``kind`` placing HOSTED in host memory itself (configs on the device)."""
+    base = plan(kind)
+    return par.ShardingPlan({name: dataclasses.replace(ps, placement="host") if name in HOSTED else ps
+                             for name, ps in base.items()}, base.world_size, base.local_world_size)
+
+
+@pytest.mark.parametrize("optimizer,kind,placed_by", [
+    (Adam(learning_rate=0.05), "mixed", "configs"), (RowWiseAdagrad(learning_rate=0.1), "rows", "plan")])
+def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind, placed_by):
+    tx = optax.adam(1e-2)
+    reference = build(optimizer)
+    if placed_by == "configs":
+        model = par.shard(host_placed(optimizer), plan(kind), mesh())
+    else:
+        model = par.shard(build(optimizer), by_plan(kind), mesh())
+    ebc = model.sparse_arch
+    hosted = [g for g in ebc.layout.groups if g.host]
+    assert hosted and not any(g.host for g in ebc.layout.groups if g.kind == "dp")
+    ref_opt, opt = nnx.Optimizer(reference, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
+    ref_step = make_train_step(lambda m, b: squared_error(m, b, N * B))
+    step = make_train_step(lambda m, b: squared_error(m, b, B))
+    for i in range(3):
+        batch = random_batch(i, weighted=True)
+        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh())),
+                                   ref_step(reference, ref_opt, batch), rtol=RTOL)
+    for g, var in zip(ebc.layout.groups, ebc.tables):  # the host groups' buffers stayed in host memory
+        tables = var.get_value()
+        assert in_host_memory(tables.weights) == g.host, g
+    want = portable_from_collection(reference.sparse_arch)
+    got = ebc.portable_tables()
+    for name, fields in got.items():
+        assert int(fields["step"]) == 3
+        for field, value in fields.items():
+            np.testing.assert_allclose(value, want[name][field], rtol=RTOL, atol=ATOL, err_msg=f"{name}.{field}")
+    # the portable form loads into either placement
+    device = par.shard(build(optimizer), plan(kind), mesh())
+    device.sparse_arch.load_portable_tables(got)
+    again = par.shard(host_placed(optimizer), plan(kind), mesh())
+    again.sparse_arch.load_portable_tables(device.sparse_arch.portable_tables())
+    for name, fields in again.sparse_arch.portable_tables().items():
+        for field, value in fields.items():
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(got[name][field]), err_msg=name)
+
+
+def test_a_data_parallel_table_cannot_be_host_placed():
+    tables = [dataclasses.replace(t, placement="host") for t in TABLES]
+    ebc = EmbeddingBagCollection(tables, optimizer=Adam(learning_rate=0.05), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="table 't_tiny' is placed in host memory, which its DATA_PARALLEL"):
+        par.shard(ebc, plan("mixed"), mesh())
+    with pytest.raises(ValueError, match="placement must be None"):
+        dataclasses.replace(plan("mixed")["t_user"], placement="host_cached")
+    assert jax.devices("cpu")  # the mesh is of CPU devices (tests/parallel/conftest.py)
