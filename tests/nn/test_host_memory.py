@@ -18,7 +18,6 @@ import optax
 import pytest
 from flax import nnx
 
-import jaxrec.parallel as par
 from jaxrec import _ffi
 from jaxrec.checkpoint import restore_checkpoint, save_checkpoint
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, TTConfig, _memory, make_train_step
@@ -325,11 +324,6 @@ def test_bad_placements_are_refused_with_the_fix(monkeypatch):
         with pytest.raises(ValueError, match="XLA hands out at most 0.00 GiB of it on the GPU: set "
                                              "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB to 8 or more"):
             EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
-    ebc = EmbeddingBagCollection([cached], optimizer=SGD(learning_rate=0.1), rngs=nnx.Rngs(0))
-    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices("cpu")[:2])
-    plan = par.construct_plan([cached], {"t": par.table_wise(0)}, 2)
-    with pytest.raises(NotImplementedError, match="does not hold such tables yet"):
-        par.shard(ebc, plan, mesh)
 
 
 def test_a_group_larger_than_the_device_builds_in_host_memory(monkeypatch):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -19,7 +20,8 @@ from flax import nnx
 from parallel_testing import TABLES, B, Model, N, build, mesh, plan, random_batch, squared_error
 
 import jaxrec.parallel as par
-from jaxrec.nn import EmbeddingBagCollection, make_train_step
+from jaxrec.data import Batch
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
 from jaxrec.ops.host_cache import in_host_memory
 from jaxrec.optim import Adam, RowWiseAdagrad
 from jaxrec.parallel._sharded_ebc import portable_from_collection
@@ -86,3 +88,89 @@ def test_a_data_parallel_table_cannot_be_host_placed():
     with pytest.raises(ValueError, match="placement must be None"):
         dataclasses.replace(plan("mixed")["t_user"], placement="host_cached")
     assert jax.devices("cpu")  # the mesh is of CPU devices (tests/parallel/conftest.py)
+
+
+def test_sharded_host_cached_training_equals_unsharded_training():
+    """Each device's shards host-cached with a cache of its own (128 rows: the tables here
+    are small, so each device caches all its rows; the unsharded tests evict)."""
+    optimizer = RowWiseAdagrad(learning_rate=0.1)
+    tables = [dataclasses.replace(t, placement="host_cached", cache_rows=128) if t.name in HOSTED else t
+              for t in TABLES]
+
+    def placed():
+        return Model(EmbeddingBagCollection(tables, optimizer=optimizer, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
+
+    reference = build(optimizer)
+    model = par.shard(placed(), plan("rows"), mesh())
+    ebc = model.sparse_arch
+    cached = [g for g in ebc.layout.groups if g.placement == "host_cached"]
+    assert cached and all(g.cache_rows == 128 for g in cached) and len(ebc.caches) == len(cached)
+    tx = optax.adam(1e-2)
+    ref_opt, opt = nnx.Optimizer(reference, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
+    ref_step = make_train_step(lambda m, b: squared_error(m, b, N * B))
+    step = make_train_step(lambda m, b: squared_error(m, b, B))
+    for i in range(3):
+        batch = random_batch(i, weighted=False)
+        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh())),
+                                   ref_step(reference, ref_opt, batch), rtol=RTOL)
+    stats = ebc.cache_statistics()
+    assert stats and all(int(s["inserted"]) > 0 for s in stats.values())
+    assert all(in_host_memory(c.get_value().rows.weights) for c in ebc.caches)
+    want = portable_from_collection(reference.sparse_arch)
+    got = ebc.portable_tables()  # the cached rows over the host rows
+    for name, fields in got.items():
+        for field, value in fields.items():
+            np.testing.assert_allclose(value, want[name][field], rtol=RTOL, atol=ATOL, err_msg=f"{name}.{field}")
+    again = par.shard(build(optimizer), plan("rows"), mesh())  # into device placement
+    again.sparse_arch.load_portable_tables(got)
+    back = par.shard(placed(), plan("rows"), mesh())
+    back.sparse_arch.load_portable_tables(again.sparse_arch.portable_tables())
+    for name, fields in back.sparse_arch.portable_tables().items():
+        for field, value in fields.items():
+            np.testing.assert_array_equal(np.asarray(value), np.asarray(got[name][field]), err_msg=name)
+
+
+class Pooled(nnx.Module):
+    def __init__(self, ebc):
+        self.sparse_arch = ebc
+
+    def __call__(self, kjt):
+        return jnp.sum(jnp.tanh(self.sparse_arch(kjt).values()), axis=1)
+
+
+def test_each_device_evicts_from_its_own_cache():
+    """Two tables of 1000 rows, TABLE_WISE on devices 0 and 1 of two, each cached in 128
+    rows and looked up over all its rows: every step evicts, and training equals the
+    unsharded device-placed collection."""
+    from jaxrec.sparse import KeyedJaggedTensor
+
+    def tables(**placed):
+        return [EmbeddingBagConfig(name=f"t{k}", num_embeddings=1000, embedding_dim=8, feature_names=[f"f{k}"],
+                                   **placed) for k in range(2)]
+
+    optimizer = RowWiseAdagrad(learning_rate=0.2)
+    reference = Pooled(EmbeddingBagCollection(tables(), optimizer=optimizer, rngs=nnx.Rngs(0)))
+    cached = Pooled(EmbeddingBagCollection(tables(placement="host_cached", cache_rows=128), optimizer=optimizer,
+                                           rngs=nnx.Rngs(0)))
+    two = mesh(2)
+    model = par.shard(cached, par.construct_plan(tables(), {"t0": par.table_wise(0), "t1": par.table_wise(1)}, 2),
+                      two)
+    ref_step, step = (make_train_step(lambda m, b, d=d: jnp.sum((m(b.sparse) - b.labels) ** 2) / d)
+                      for d in (16, 8))
+    ref_opt, opt = (nnx.Optimizer(m, optax.sgd(0.1), wrt=nnx.Param) for m in (reference, model))
+    rng = np.random.default_rng(0)
+    evicted = 0
+    for s in range(6):
+        lengths = rng.integers(1, 4, size=2 * 16)
+        ids = rng.integers(0, 1000, size=lengths.sum()).astype(np.int32)
+        kjt = KeyedJaggedTensor.from_lengths_sync(["f0", "f1"], ids, lengths, capacity=128)
+        batch = Batch(jnp.zeros((16, 1)), kjt, jnp.asarray(rng.normal(size=16), jnp.float32), jnp.ones(16))
+        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, two)), ref_step(reference, ref_opt, batch),
+                                   rtol=RTOL)
+        now = int(model.sparse_arch.cache_statistics()["t0+t1"]["evicted"])
+        if s >= 3:
+            assert now > evicted, s
+        evicted = now
+    want = reference.sparse_arch.split_embedding_weights()
+    for name, table in model.sparse_arch.split_embedding_weights().items():
+        np.testing.assert_allclose(table, want[name], rtol=RTOL, atol=ATOL, err_msg=name)

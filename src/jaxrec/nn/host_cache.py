@@ -67,16 +67,11 @@ class HostCache(nnx.Variable):
     checkpointed with the model."""
 
 
-def check_collection(configs, optimizer, *, sharded: bool = False, placements=None) -> None:
-    """Refuses tables in host memory in a collection without a fused optimizer, and
-    host-cached tables in a sharded one. ``placements``: each table's (default: its config's)."""
+def check_collection(configs, optimizer, placements=None) -> None:
+    """Refuses tables in host memory in a collection without a fused optimizer.
+    ``placements``: each table's (default: its config's; a sharding plan may set them)."""
     placements = [getattr(c, "placement", "device") for c in configs] if placements is None else placements
     placed = [c.name for c, p in zip(configs, placements) if p != "device"]
-    cached = [c.name for c, p in zip(configs, placements) if p == "host_cached"]
-    if cached and sharded:
-        raise NotImplementedError(f"tables {cached} are host-cached: a sharded collection does not hold "
-                                  "host-cached tables yet; place them in host memory without a cache "
-                                  "(placement='host'), on the device, or use an unsharded EmbeddingBagCollection")
     if placed and optimizer is None:
         raise ValueError(f"tables {placed} are placed in host memory, whose rows move to the device inside the "
                          "step together with their optimizer state: give the collection a fused optimizer "

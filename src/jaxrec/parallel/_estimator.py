@@ -58,6 +58,10 @@ class StateBytes:
     per_row: int = 0
 
 
+_INDEX_BYTES_PER_ROW = 13
+"""A host-cached group's hash index per cache row: an int32 key, a digest byte, a score and a seen count."""
+
+
 def state_bytes(optimizer) -> StateBytes:
     """The fused optimizer's state size; zero for plain tables (optax's state of plain
     tables is not counted: leave room for it in ``hbm_cap``)."""
@@ -159,20 +163,24 @@ def estimate(tables: Sequence[TableSpec], plan: ShardingPlan, topology: Topology
         comm_bytes += bags_global * dp_width * 4 if fused else 2 * dp_rows * 4
     communication = topology.send_seconds(comm_bytes)
 
-    weights = opt = host = 0
+    weights = opt = host = indices = 0
     for group in layout.groups:
         wb = jnp.dtype(group.dtype).itemsize
         rows = sum(group.layout.rows)
         elems = sum(r * d for r, d in zip(group.layout.rows, group.layout.dims))
-        if group.host:  # in host memory; the device holds each batch's rows of it
+        if group.host:  # in host memory; the device holds each batch's rows of it, or a cache
             host += elems * (wb + sb.per_element) + rows * sb.per_row
+            cached = group.cache_rows * group.layout.dims[0]
+            weights += cached * wb
+            opt += cached * sb.per_element + group.cache_rows * sb.per_row
+            indices += group.cache_rows * _INDEX_BYTES_PER_ROW
             continue
         weights += elems * wb
         opt += elems * sb.per_element + rows * sb.per_row
-    buffers = gathered * 12 + n * b * len(layout.features) * 4
+    buffers = gathered * 12 + n * b * len(layout.features) * 4 + indices
     for group in layout.groups:
         buffers += gathered * _BUILD_BYTES_PER_ID + 3 * bags_global * group.width * 4
-        if group.host:  # the batch's rows gathered from host memory, one per id at most
+        if group.placement == "host":  # the batch's rows gathered from host memory, one per id at most
             buffers += gathered * (group.layout.dims[0] * (jnp.dtype(group.dtype).itemsize + sb.per_element)
                                    + sb.per_row)
     buffers += 2 * b * layout.total_dim * 4

@@ -28,8 +28,11 @@ Groups, by how their pooled results travel back to the batch owners:
 * ``dp``: DATA_PARALLEL tables, by dtype: the whole tables on every device, in a
   normal ``TableLayout``; no communication in the forward.
 
-Tables placed in host memory (``placement="host"``) form a2a and reduce groups apart
-(``Group.host``).
+Tables in host memory form a2a and reduce groups apart, one per placement
+(``Group.placement``): ``"host"``, each device's virtual table in its host memory, each
+lookup reading the batch's rows (jaxrec.nn.host_tables); ``"host_cached"``, the same with
+a cache of ``Group.cache_rows`` rows per device in its device memory, each device with its
+own index (jaxrec.nn.host_cache).
 
 This module is pure Python and NumPy (no Flax): the planner uses it to count memory.
 """
@@ -78,9 +81,18 @@ class Group:
     pieces: tuple[Piece, ...]
     dynamic: bool = False
     """One dynamic-vocabulary table (ROW_WISE, equal blocks): ids map to rows by its hash index."""
-    host: bool = False
-    """Placed in host memory (``placement="host"``): each device's virtual table lives in its
-    host memory, and each lookup reads the batch's rows (jaxrec.nn.host_tables)."""
+    placement: str = "device"
+    """``"device"``, ``"host"`` or ``"host_cached"`` (module doc)."""
+    cache_policy: str = "lru"
+    """host_cached: its tables' ``cache_policy`` (one per group)."""
+    cache_rows: int = 0
+    """host_cached: each device's cache rows, a multiple of 128 (the most any device's shards
+    ask for: each shard its table's ``cache_size() / num_embeddings`` of its rows)."""
+
+    @property
+    def host(self) -> bool:
+        """Whether each device's virtual table lives in its host memory."""
+        return self.placement != "device"
 
     @property
     def num_slots(self) -> int:
@@ -150,21 +162,23 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
     feature_table = tuple(i for i, t in enumerate(tables) for _ in t.features)
     first_feature = np.concatenate([[0], np.cumsum([len(t.features) for t in tables])])
     kinds = tuple(plan[t.name].sharding_type for t in tables)
-    hosted = tuple(placement(t, plan) == "host" for t in tables)
+    hosted = tuple(placement(t, plan) for t in tables)
+    # host-cached tables of one policy share a cache
+    stores = [(p, t.cache_policy if p == "host_cached" else "") for p, t in zip(hosted, tables)]
 
     buckets: dict[tuple, list[int]] = {}
     for i, (t, kind) in enumerate(zip(tables, kinds)):
         if kind == ShardingType.DATA_PARALLEL:
-            if hosted[i]:
+            if hosted[i] != "device":
                 raise ValueError(f"table {t.name!r} is placed in host memory, which its DATA_PARALLEL "
                                  "sharding (a copy on every device) cannot use: shard it TABLE_WISE, "
                                  "ROW_WISE or COLUMN_WISE, or place it on the device")
-            key = (DP, 0, t.dtype, "", False)
+            key = (DP, 0, t.dtype, "", ("device", ""))
         elif kind == ShardingType.ROW_WISE:  # dynamic: a group of its own
-            key = (REDUCE, t.dim, t.dtype, t.name if t.dynamic else "", hosted[i])
+            key = (REDUCE, t.dim, t.dtype, t.name if t.dynamic else "", stores[i])
         else:
             for s in plan[t.name].shards:
-                members = buckets.setdefault((A2A, s.num_cols, t.dtype, "", hosted[i]), [])
+                members = buckets.setdefault((A2A, s.num_cols, t.dtype, "", stores[i]), [])
                 if i not in members:
                     members.append(i)
             continue
@@ -172,8 +186,8 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
 
     groups, where = [], {}  # where[(table, device, feature)] = (group, slot)
     order = sorted(buckets, key=lambda k: ({A2A: 0, REDUCE: 1, DP: 2}[k[0]], min(buckets[k])))
-    for kind, dim, dtype, dynamic, host in order:
-        members = buckets[(kind, dim, dtype, dynamic, host)]
+    for kind, dim, dtype, dynamic, (placed, policy) in order:
+        members = buckets[(kind, dim, dtype, dynamic, (placed, policy))]
         g = len(groups)
         if kind == DP:
             groups.append(_dp_group(tables, members, dtype, n, first_feature))
@@ -182,7 +196,10 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
                 where[(t, -1, f)] = (g, slot)
             continue
         group, slots = _sharded_group(kind, dim, dtype, members, tables, plan, first_feature)
-        groups.append(dataclasses.replace(group, dynamic=bool(dynamic), host=host))
+        group = dataclasses.replace(group, dynamic=bool(dynamic), placement=placed)
+        if placed == "host_cached":
+            group = dataclasses.replace(group, cache_policy=policy, cache_rows=_cache_rows(group, tables))
+        groups.append(group)
         where.update({key: (g, slot) for key, slot in slots.items()})
 
     contributors = _contributors(tables, kinds, plan, groups, where, n)
@@ -192,6 +209,17 @@ def build_layout(tables: Sequence[TableSpec], plan: ShardingPlan) -> ShardedLayo
 def placement(table: TableSpec, plan: ShardingPlan) -> str:
     """Where ``table``'s rows live under ``plan``: the plan's placement, else the config's."""
     return plan[table.name].placement or table.placement
+
+
+def _cache_rows(group: Group, tables: Sequence[TableSpec]) -> int:
+    """A host-cached group's cache rows per device (``Group.cache_rows``)."""
+    wanted = [0] * len(group.slot_feature)
+    for p in group.pieces:
+        t = tables[p.table]
+        wanted[p.device] += -(-(p.row_hi - p.row_lo) * t.cache_rows // t.rows)
+    bucket = 128  # jaxrec.nn.host_cache.BUCKET_SIZE
+    whole = -(-group.layout.rows[0] // bucket) * bucket
+    return min(-(-max(max(wanted), 1) // bucket) * bucket, whole)
 
 
 def _check_dynamic(table: TableSpec, sharding, n: int) -> None:

@@ -46,13 +46,14 @@ from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, FusedTables, TableCollection, host_cache
 from jaxrec.nn.dynamic import DynamicIndex, check_collection, check_dynamic_table, statistics
 from jaxrec.nn.dynamic import to_portable as index_to_portable
-from jaxrec.nn.host_tables import batch_rows
+from jaxrec.nn.host_cache import HostCache, cache_rows_for
+from jaxrec.nn.host_tables import batch_rows, buffers
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, hash_table
 from jaxrec.ops.bounds_check import as_bounds_check_mode
 from jaxrec.ops.host_cache import HOST_MEMORY
 from jaxrec.ops.tbe_kjt import features_in_order, require_features
 from jaxrec.optim import SGD, Adagrad, Adam, OptimizerConfig
-from jaxrec.parallel import _dist, _dynamic, _row_return
+from jaxrec.parallel import _dist, _dynamic, _host_cache, _row_return
 from jaxrec.parallel._layout import A2A, DP, REDUCE, build_layout, placement
 from jaxrec.parallel._portable import pack_group, portable_sharding, unpack
 from jaxrec.parallel._table_spec import table_specs
@@ -143,7 +144,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
         if (rngs is None) == (initial is None):
             raise ValueError("pass exactly one of rngs= (new tables) or initial= (portable tables)")
         specs = table_specs(tables)
-        host_cache.check_collection(tables, optimizer, sharded=True,
+        host_cache.check_collection(tables, optimizer,
                                     placements=[placement(t, plan) if t.name in plan else t.placement
                                                 for t in specs])
         self.layout = build_layout(specs, plan)
@@ -172,7 +173,10 @@ class ShardedEmbeddingBagCollection(TableCollection):
         if initial is None:  # keys drawn in config order; each table to the host at once, in its
             # dtype, so that the default device never holds more than one (MLPerf's 40M-row ones)
             initial = {t.name: {"weights": to_host(t.init(rngs.params()).astype(t.dtype))} for t in tables}
-        self.tables = nnx.List(self._variables(initial))
+        tables, caches = self._with_caches(self._variables(initial))
+        self.tables = nnx.List(tables)
+        # one cache state (index and host rows) per host-cached group, in group order (_host_cache.py)
+        self.caches = nnx.List(caches)
         # one hash index per dynamic group, in group order (_dynamic.py), empty unless given
         self.indices = nnx.List([DynamicIndex(_dynamic.sharded_index(
             config, mesh, axis_name, initial[config.name].get("index"))) for config in self._dynamic_configs()])
@@ -183,7 +187,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
 
     def split_embedding_weights(self) -> dict[str, jax.Array]:
         """``{table name: [num_embeddings, embedding_dim]}``: the whole tables."""
-        weights = [v.get_value().weights if self.fused else v.get_value() for v in self.tables]
+        weights = [g[0] for g in self._group_buffers()]
         return dict(zip((t.name for t in self.table_configs), self._unpack(weights, False)))
 
     def portable_tables(self) -> dict[str, dict[str, jax.Array]]:
@@ -194,9 +198,10 @@ class ShardedEmbeddingBagCollection(TableCollection):
         if not self.fused:
             return out
         values = [v.get_value() for v in self.tables]
-        for field in self.optimizer.state_names:
+        groups = self._group_buffers()
+        for j, field in enumerate(self.optimizer.state_names):
             per_row = field in self.optimizer.state_type.row_fields
-            for n, x in zip(names, self._unpack([getattr(v.state, field) for v in values], per_row)):
+            for n, x in zip(names, self._unpack([g[1 + j] for g in groups], per_row)):
                 out[n][field] = x
         for group, value in zip(self.layout.groups, values):
             for p in group.pieces:
@@ -211,7 +216,8 @@ class ShardedEmbeddingBagCollection(TableCollection):
         if missing:
             raise ValueError(f"the portable tables {missing} lack the 'index' of their dynamic "
                              "vocabulary; give portable_tables() of a collection with these tables")
-        for var, new in zip(self.tables, self._variables(portable)):
+        tables, caches = self._with_caches(self._variables(portable))
+        for var, new in zip([*self.tables, *self.caches], [*tables, *caches]):
             var.set_value(new.get_value())
         for config, index in zip(self._dynamic_configs(), self.indices):
             index.set_value(_dynamic.sharded_index(config, self.mesh, self.axis_name,
@@ -221,6 +227,51 @@ class ShardedEmbeddingBagCollection(TableCollection):
         """``{table name: {state name: [rows, dim] or [rows]}}`` of the fused optimizer."""
         return {name: {k: v for k, v in states.items() if k != "index"}
                 for name, states in super().split_optimizer_states().items()}
+
+    # -- host-cached tables (_host_cache.py) ----------------------------------------------
+    def _with_caches(self, variables) -> tuple[list[nnx.Variable], list[HostCache]]:
+        """``(tables, caches)``: the groups' variables, each host-cached group's whole virtual
+        tables split into its caches (its variable) and a ``HostCache``."""
+        tables, caches = [], []
+        for group, var in zip(self.layout.groups, variables):
+            if group.placement != "host_cached":
+                tables.append(var)
+                continue
+            cache, state = _host_cache.split(group, var.get_value(), self.mesh, self.axis_name)
+            tables.append(FusedTables(cache))
+            caches.append(HostCache(state))
+        return tables, caches
+
+    def _cache(self, i: int) -> HostCache:
+        """Host-cached group ``i``'s ``HostCache`` (``caches`` is in group order)."""
+        return self.caches[sum(g.placement == "host_cached" for g in self.layout.groups[:i])]
+
+    def _virtual_config(self, i: int) -> EmbeddingBagConfig:
+        group = self.layout.groups[i]
+        names = [self.table_configs[t].name for t in sorted({p.table for p in group.pieces})]
+        return _host_cache.virtual_config(group, names)
+
+    def _group_buffers(self) -> list[list]:
+        """Each group's buffers: the weights, then each optimizer-state buffer; a host-cached
+        group's (NumPy) with each device's cached rows written over its host rows."""
+        out = []
+        for i, (group, var) in enumerate(zip(self.layout.groups, self.tables)):
+            value = var.get_value()
+            if not self.fused:
+                out.append([value])
+            elif group.placement == "host_cached":
+                out.append(_host_cache.flushed(group, self._cache(i).get_value(), value, self._virtual_config(i),
+                                               self.layout.world_size))
+            else:
+                out.append(buffers(value))
+        return out
+
+    def cache_statistics(self) -> dict[str, dict[str, jax.Array]]:
+        """``{tables: statistics}`` of each host-cached group (its tables' names joined by
+        "+"), its devices' caches together: ``size``, ``load_factor``, ``inserted`` (rows
+        loaded: misses), ``evicted`` (rows written back)."""
+        return {self._virtual_config(i).name: _host_cache.statistics(self._cache(i).get_value())
+                for i, g in enumerate(self.layout.groups) if g.placement == "host_cached"}
 
     # -- dynamic vocabularies (_dynamic.py) ---------------------------------------------
     def _dynamic_configs(self) -> list[EmbeddingBagConfig]:
@@ -297,10 +348,15 @@ class ShardedEmbeddingBagCollection(TableCollection):
                     ids, row, mean & here, batch * max_ids, **need)
             else:
                 group_values, offsets, psw = _dist.group_input(ids, row, mean & here, **need)
-            if group.host:  # the batch's rows, from this device's host memory (nn/host_tables.py)
-                valid = jnp.arange(group_values.shape[0], dtype=offsets.dtype) < offsets[-1]
+            valid = jnp.arange(group_values.shape[0], dtype=offsets.dtype) < offsets[-1]
+            if group.placement == "host":  # the batch's rows, from this device's host memory
                 group_values, table = batch_rows(table, group_values.astype(jnp.int32), valid)
                 group_values = group_values.astype(offsets.dtype)
+            elif group.placement == "host_cached":  # rows to this device's cache rows (_host_cache.py)
+                slots, table = cache_rows_for(self._cache(i), table, [self._virtual_config(i)],
+                                              group_values.astype(jnp.int32), valid)
+                self.tables[i].set_value(table)  # the cache as the index has it, in evaluation too
+                group_values = slots.astype(offsets.dtype)
             repeated = group.kind == DP and self.fused  # the global batch, on every device
             if repeated and psw is not None:
                 psw = _dist.repeated(psw, layout.world_size)
@@ -476,13 +532,13 @@ class ShardedEmbeddingBagCollection(TableCollection):
                 name)))
         return out
 
-    def _unpack(self, buffers, per_row: bool) -> list[jax.Array]:
+    def _unpack(self, group_buffers, per_row: bool) -> list[jax.Array]:
         """Each table's portable array from the group buffers, placed on the mesh; a table
         in host memory stays a NumPy array (the devices need not have room for it)."""
         shapes = [(t.num_embeddings,) + (() if per_row else (t.embedding_dim,))
                   for t in self.table_configs]
-        tables = unpack(self.layout, buffers, per_row)
-        hosted = [placement(t, self.plan) == "host" for t in self.layout.tables]
+        tables = unpack(self.layout, group_buffers, per_row)
+        hosted = [placement(t, self.plan) != "device" for t in self.layout.tables]
         return [x if host else jax.device_put(x, portable_sharding(self.mesh, self.axis_name, s))
                 for x, s, host in zip(tables, shapes, hosted)]
 
@@ -570,12 +626,12 @@ def auto_mesh(mesh: jax.sharding.Mesh) -> jax.sharding.Mesh:
 def portable_from_collection(ebc: EmbeddingBagCollection) -> dict[str, dict[str, jax.Array]]:
     """The portable tables of an unsharded ``EmbeddingBagCollection``."""
     out = {name: {"weights": w} for name, w in ebc.split_embedding_weights().items()}
-    if ebc.fused:
+    if ebc.fused:  # (a host-cached group's: of its full tables, the cached rows over them)
+        for name, states in ebc.split_optimizer_states().items():
+            out[name].update(states)
         for group, var in zip(ebc.groups, ebc.tables):
-            tables = var.get_value()
-            for t, states in zip(group.tables, tables.split_optimizer_states()):
-                out[t.name].update(states)
-                out[t.name]["step"] = tables.step
+            for t in group.tables:
+                out[t.name]["step"] = var.get_value().step
     for name in (t.name for g in ebc.groups if g.dynamic for t in g.tables):  # each its own part
         out[name]["index"] = index_to_portable(ebc.dynamic_index(name))
     return out

@@ -27,6 +27,10 @@ class TableSpec:
     """A dynamic vocabulary (``EmbeddingBagConfig(dynamic=...)``): ROW_WISE over every device."""
     placement: str = "device"
     """``EmbeddingBagConfig.placement``: ``"device"``, ``"host"`` or ``"host_cached"``."""
+    cache_rows: int = 0
+    """host_cached: the table's cache rows (``EmbeddingBagConfig.cache_size()``)."""
+    cache_policy: str = "lru"
+    """host_cached: ``EmbeddingBagConfig.cache_policy``."""
 
 
 def table_specs(tables) -> tuple[TableSpec, ...]:
@@ -43,7 +47,9 @@ def table_specs(tables) -> tuple[TableSpec, ...]:
                                    as_pooling_mode(getattr(t, "pooling", PoolingMode.SUM)),
                                    jnp.dtype(getattr(t, "dtype", "float32")).name,
                                    getattr(t, "dynamic", None) is not None,
-                                   getattr(t, "placement", "device")))
+                                   getattr(t, "placement", "device"),
+                                   t.cache_size() if getattr(t, "placement", "device") == "host_cached" else 0,
+                                   getattr(t, "cache_policy", "lru")))
         except AttributeError as e:
             raise TypeError(f"tables must be EmbeddingBagConfig-like (name, num_embeddings, "
                             f"embedding_dim, feature_names), got {t!r}: {e}") from None
