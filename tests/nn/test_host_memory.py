@@ -202,7 +202,7 @@ def test_the_copy_handlers_check_their_operands(platform, change, message, x64):
                                       np.arange(12, dtype=np.float32).reshape(3, 4)[[2, 1]])
         return
     with pytest.raises(Exception, match=message):
-        run(*operands)
+        jax.block_until_ready(run(*operands))  # the GPU reports a handler's error when the result is awaited
 
 
 @pytest.mark.parametrize("placement", ["host", "host_cached"])

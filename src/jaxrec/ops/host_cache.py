@@ -24,6 +24,7 @@ offloading can follow. The jnp reference takes device arrays, for the tests.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -65,10 +66,7 @@ def copy_rows(dst: jax.Array, dst_rows: jax.Array, src: jax.Array, src_rows: jax
         raise ValueError(f"src {src.dtype}{list(src.shape)} and dst {dst.dtype}{list(dst.shape)} must hold "
                          f"src_num_rows={src_num_rows} and dst_num_rows={dst_num_rows} rows of one width and dtype")
 
-    def kernel(dst_rows, src_rows, src, dst):
-        call = jax.ffi.ffi_call("jaxrec_copy_rows", jax.ShapeDtypeStruct(dst.shape, dst.dtype),
-                                input_output_aliases={3: 0})
-        return call(dst_rows, src_rows, src, dst, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows)
+    kernel = functools.partial(_handler, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows)
 
     def reference(dst_rows, src_rows, src, dst):
         ok = (dst_rows >= 0) & (dst_rows < dst_num_rows) & (src_rows >= 0) & (src_rows < src_num_rows)
@@ -80,8 +78,26 @@ def copy_rows(dst: jax.Array, dst_rows: jax.Array, src: jax.Array, src_rows: jax
         return _ffi.dispatch(kernel, reference, dst_rows, src_rows, src, dst, backend=backend)
     if backend == "reference":
         raise ValueError("copy_rows' reference takes buffers in device memory only")
-    out = _ffi.call_kernel(kernel, dst_rows, src_rows, src, dst)
+    return _copy_with_host_memory(dst_rows, src_rows, src, dst, src_num_rows=src_num_rows,
+                                  dst_num_rows=dst_num_rows)
+
+
+@functools.partial(jax.jit, static_argnames=("src_num_rows", "dst_num_rows"))
+def _copy_with_host_memory(dst_rows, src_rows, src, dst, *, src_num_rows: int, dst_num_rows: int):
+    """The handler on buffers of which one or both live in host memory, the result marked as
+    host memory where ``dst`` is: inside a jit always (an eager call of the handler alone
+    would return a host buffer unmarked, which XLA refuses: E1200). Inside a caller's jit
+    this jit is inlined, and a donated ``dst`` is updated in place."""
+    out = _ffi.call_kernel(functools.partial(_handler, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows),
+                           dst_rows, src_rows, src, dst)
     return to_host_memory(out) if in_host_memory(dst) else out
+
+
+def _handler(dst_rows, src_rows, src, dst, *, src_num_rows: int, dst_num_rows: int):
+    """The ``jaxrec_copy_rows`` target, its result aliased to ``dst``."""
+    call = jax.ffi.ffi_call("jaxrec_copy_rows", jax.ShapeDtypeStruct(dst.shape, dst.dtype),
+                            input_output_aliases={3: 0})
+    return call(dst_rows, src_rows, src, dst, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows)
 
 
 def by_host_row(host_rows: jax.Array, other_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
