@@ -15,6 +15,14 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 
+def default_device() -> jax.Device:
+    """The device that ``jnp`` places new arrays on: ``jax.default_device``'s, else the first."""
+    device = jax.config.jax_default_device
+    if device is None or isinstance(device, str):
+        device = jax.devices(device)[0]
+    return device
+
+
 def on_mesh(x, mesh: jax.sharding.Mesh):
     """``x`` itself when it lives on ``mesh``, else a replicated copy over ``mesh``.
 

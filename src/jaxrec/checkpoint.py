@@ -76,7 +76,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from jaxrec._mesh import to_host
+from jaxrec._mesh import default_device, to_host
 
 __all__ = ["CheckpointCorruptError", "CheckpointLock", "CheckpointLockedError",
            "NonFiniteStateError", "RestoredMetadata", "all_steps", "latest_step", "read_metadata",
@@ -573,10 +573,7 @@ def _sharding(leaf, key: str = "") -> jax.sharding.Sharding:
         return jax.sharding.NamedSharding(mesh, sharding.spec, memory_kind=sharding.memory_kind)
     if sharding is not None:
         return sharding
-    device = jax.config.jax_default_device
-    if device is None or isinstance(device, str):
-        device = jax.devices(device)[0]
-    return jax.sharding.SingleDeviceSharding(device)
+    return jax.sharding.SingleDeviceSharding(default_device())
 
 
 def _abstract(paths_leaves, manifest: dict, step: int, path: pathlib.Path) -> dict:

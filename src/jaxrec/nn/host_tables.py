@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrec._mesh import default_device
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.ops.host_cache import HOST_MEMORY, copy_rows
 from jaxrec.ops.tbe_layout import TableLayout
@@ -65,7 +66,7 @@ def new_host_tables(like: FusedEmbeddingTables, layout: TableLayout, draw, name:
 def in_host_memory(x: np.ndarray) -> jax.Array:
     """A NumPy array placed in the default device's host memory, never on the device (NumPy's
     zeros are pages not yet touched)."""
-    return jax.device_put(x, jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind=HOST_MEMORY))
+    return jax.device_put(x, jax.sharding.SingleDeviceSharding(default_device(), memory_kind=HOST_MEMORY))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4), donate_argnums=0)

@@ -66,6 +66,7 @@ from jaxrec.checkpoint import (
 )
 from jaxrec.data import Prefetcher
 from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
+from jaxrec.ops.host_cache import in_host_memory
 from jaxrec.parallel import load_portable_state, make_forward, portable_state
 from jaxrec.train import _processes, _vocab
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
@@ -259,7 +260,7 @@ class _Run:
             elif self.plan is not None:  # the tables span processes: a copy on the devices
                 self.best_state = jax.tree.map(jnp.copy, nnx.state(self.model))
             else:
-                self.best_state = jax.device_get(nnx.state(self.model))
+                self.best_state = jax.tree.map(_host_copy, nnx.state(self.model))
 
     def _metrics(self, batches) -> dict[str, float]:
         """The task's metrics on ``batches``, the model in evaluation mode (flax's
@@ -580,3 +581,12 @@ def _last_eval(history: dict, prefix: str) -> dict[str, str]:
         return {}
     return {prefix + (k.upper() if k == "auc" else k): f"{v:.4f}"
             for k, v in history["eval"][-1].items() if k not in ("step", "epoch") and v is not None}
+
+
+def _host_copy(x):
+    """A copy of ``x`` in host memory: NumPy, or for an array in host memory a copy there (a
+    NumPy view of it would keep the next step from donating it, and the copy keeps its
+    memory kind when it is restored)."""
+    if isinstance(x, jax.Array) and in_host_memory(x):
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return np.array(x)
