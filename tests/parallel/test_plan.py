@@ -193,4 +193,4 @@ def test_when_device_memory_runs_out_the_planner_places_tables_in_host_memory(tm
     hosted = [dataclasses.replace(t, placement="host") for t in tables]
     p = par.EmbeddingShardingPlanner(par.Topology(world_size=2, hbm_cap=GIB, ddr_cap=GIB), optimizer=fused).plan(hosted)
     assert all(ps.placement is None and ps.sharding_type != ST.DATA_PARALLEL for ps in p.values())
-    assert p.stats.host_memory > 0 and build_layout(hosted, p).groups[0].host
+    assert p.stats.host_memory > 0 and build_layout(hosted, p).groups[0].in_host_memory

@@ -52,8 +52,8 @@ def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind,
     else:
         model = par.shard(build(optimizer), by_plan(kind), mesh())
     ebc = model.sparse_arch
-    hosted = [g for g in ebc.layout.groups if g.host]
-    assert hosted and not any(g.host for g in ebc.layout.groups if g.kind == "dp")
+    hosted = [g for g in ebc.layout.groups if g.in_host_memory]
+    assert hosted and not any(g.in_host_memory for g in ebc.layout.groups if g.kind == "dp")
     ref_opt, opt = nnx.Optimizer(reference, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
     ref_step = make_train_step(lambda m, b: squared_error(m, b, N * B))
     step = make_train_step(lambda m, b: squared_error(m, b, B))
@@ -63,7 +63,7 @@ def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind,
                                    ref_step(reference, ref_opt, batch), rtol=RTOL)
     for g, var in zip(ebc.layout.groups, ebc.tables):  # the host groups' buffers stayed in host memory
         tables = var.get_value()
-        assert in_host_memory(tables.weights) == g.host, g
+        assert in_host_memory(tables.weights) == g.in_host_memory, g
     want = portable_from_collection(reference.sparse_arch)
     got = ebc.portable_tables()
     for name, fields in got.items():

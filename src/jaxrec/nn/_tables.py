@@ -46,7 +46,7 @@ from jaxrec.nn.dynamic import (
 )
 from jaxrec.nn.host_cache import HostCache, cache_rows_for, full_tables, host_layout, stored
 from jaxrec.nn.host_cache import new_state as new_cache_state
-from jaxrec.nn.host_tables import batch_rows, buffers, in_host_memory, new_host_tables, with_buffers
+from jaxrec.nn.host_tables import batch_rows, buffers, new_host_tables, place_in_host_memory, with_buffers
 from jaxrec.ops import BoundsCheckMode, PoolingMode, bounds_check_indices, embedding_bag_lookup, hash_table, tbe_layout
 from jaxrec.ops.tbe_kjt import (
     bag_offsets,
@@ -202,7 +202,8 @@ class GroupedTables(TableCollection):
         (host-cached: the cache starts empty), the step is theirs."""
         step = jnp.asarray(np.asarray(full.step))  # on the default device, wherever full's was
         if self.groups[i].placement == "host":
-            tables = with_buffers(self.tables[i].get_value(), [in_host_memory(np.asarray(b)) for b in buffers(full)])
+            placed = [place_in_host_memory(np.asarray(b)) for b in buffers(full)]
+            tables = with_buffers(self.tables[i].get_value(), placed)
             self.tables[i].set_value(dataclasses.replace(tables, state=tables.state._replace(step=step)))
             return
         var = self._cache(i)

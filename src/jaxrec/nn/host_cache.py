@@ -45,7 +45,7 @@ from flax import nnx
 from jaxrec import _step_guard
 from jaxrec.fused import FusedEmbeddingTables
 from jaxrec.nn.dynamic import COUNTERS, IndexState
-from jaxrec.nn.host_tables import buffers, in_host_memory, new_host_tables, with_buffers
+from jaxrec.nn.host_tables import buffers, new_host_tables, place_in_host_memory, with_buffers
 from jaxrec.ops import hash_table
 from jaxrec.ops.host_cache import exchange_rows
 from jaxrec.ops.tbe_layout import TableLayout
@@ -213,7 +213,7 @@ def stored(state: CacheState, full: FusedEmbeddingTables) -> CacheState:
     index forgets every row; its counters stay)."""
     table = state.index.table
     empty = hash_table.create(table.capacity, bucket_size=BUCKET_SIZE, dtype=table.keys.dtype)
-    rows = with_buffers(state.rows, [in_host_memory(np.asarray(b)) for b in buffers(full)])
+    rows = with_buffers(state.rows, [place_in_host_memory(np.asarray(b)) for b in buffers(full)])
     return CacheState(state.index._replace(table=empty), rows)
 
 

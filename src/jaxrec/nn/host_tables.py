@@ -54,16 +54,16 @@ def new_host_tables(like: FusedEmbeddingTables, layout: TableLayout, draw, name:
     holds one drawn table at a time."""
     total = sum(layout.rows)
     per_row = [b.size // sum(like.layout.rows) for b in buffers(like)]
-    weights = in_host_memory(np.zeros((total * per_row[0],), like.weights.dtype))
+    weights = place_in_host_memory(np.zeros((total * per_row[0],), like.weights.dtype))
     for t, (first, rows) in enumerate(zip(layout.row_offsets, layout.rows)):
         weights = _copy_table(weights, draw(t).astype(weights.dtype).reshape(-1), first, rows, total)
-    state = [in_host_memory(np.zeros((total * w,), b.dtype)) for w, b in zip(per_row[1:], buffers(like)[1:])]
+    state = [place_in_host_memory(np.zeros((total * w,), b.dtype)) for w, b in zip(per_row[1:], buffers(like)[1:])]
     fresh = dataclasses.replace(like, hparams=like.config.hyperparams(), layout=layout, name=name,
                                 state=like.state._replace(step=jnp.array(like.state.step)))  # arrays of its own
     return with_buffers(fresh, [weights, *state])
 
 
-def in_host_memory(x: np.ndarray) -> jax.Array:
+def place_in_host_memory(x: np.ndarray) -> jax.Array:
     """A NumPy array placed in the default device's host memory, never on the device (NumPy's
     zeros are pages not yet touched)."""
     return jax.device_put(x, jax.sharding.SingleDeviceSharding(default_device(), memory_kind=HOST_MEMORY))

@@ -168,7 +168,7 @@ def estimate(tables: Sequence[TableSpec], plan: ShardingPlan, topology: Topology
         wb = jnp.dtype(group.dtype).itemsize
         rows = sum(group.layout.rows)
         elems = sum(r * d for r, d in zip(group.layout.rows, group.layout.dims))
-        if group.host:  # in host memory; the device holds each batch's rows of it, or a cache
+        if group.in_host_memory:  # in host memory; the device holds each batch's rows of it, or a cache
             host += elems * (wb + sb.per_element) + rows * sb.per_row
             cached = group.cache_rows * group.layout.dims[0]
             weights += cached * wb

@@ -90,7 +90,7 @@ class Group:
     ask for: each shard its table's ``cache_size() / num_embeddings`` of its rows)."""
 
     @property
-    def host(self) -> bool:
+    def in_host_memory(self) -> bool:
         """Whether each device's virtual table lives in its host memory."""
         return self.placement != "device"
 

@@ -500,7 +500,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
         for g, group in enumerate(self.layout.groups):
             members = sorted({p.table for p in group.pieces})
             spec = P() if group.kind == DP else P(self.axis_name)
-            sharding = NamedSharding(self.mesh, spec, memory_kind=HOST_MEMORY if group.host else None)
+            sharding = NamedSharding(self.mesh, spec, memory_kind=HOST_MEMORY if group.in_host_memory else None)
             weights = {t: portable[names[t]]["weights"] for t in members}
             flat = jax.device_put(pack_group(group, n, weights, False, group.dtype), sharding)
             if not self.fused:
