@@ -42,15 +42,16 @@ def by_plan(kind: str) -> par.ShardingPlan:
                              for name, ps in base.items()}, base.world_size, base.local_world_size)
 
 
-@pytest.mark.parametrize("optimizer,kind,placed_by", [
-    (Adam(learning_rate=0.05), "mixed", "configs"), (RowWiseAdagrad(learning_rate=0.1), "rows", "plan")])
-def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind, placed_by):
+@pytest.mark.parametrize("optimizer,kind,placed_by,bound", [
+    (Adam(learning_rate=0.05), "mixed", "configs", None), (RowWiseAdagrad(learning_rate=0.1), "rows", "plan", 3)])
+def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind, placed_by, bound):
+    """``bound``: max_ids_per_bag (the ids read from per-feature windows)."""
     tx = optax.adam(1e-2)
     reference = build(optimizer)
     if placed_by == "configs":
-        model = par.shard(host_placed(optimizer), plan(kind), mesh())
+        model = par.shard(host_placed(optimizer), plan(kind), mesh(), max_ids_per_bag=bound)
     else:
-        model = par.shard(build(optimizer), by_plan(kind), mesh())
+        model = par.shard(build(optimizer), by_plan(kind), mesh(), max_ids_per_bag=bound)
     ebc = model.sparse_arch
     hosted = [g for g in ebc.layout.groups if g.in_host_memory]
     assert hosted and not any(g.in_host_memory for g in ebc.layout.groups if g.kind == "dp")

@@ -21,6 +21,11 @@ global and sharded over the axis (each device's block is its virtual table), rep
 for data-parallel groups. ``split_embedding_weights`` / ``portable_tables`` give the
 whole tables back; ``load_portable_tables`` takes them from any plan.
 
+Tables in host memory (``placement="host"`` or ``"host_cached"``, by their configs or the
+plan's ``placement``) form groups apart, each device's virtual table in its host memory;
+a lookup reads the batch's rows (nn/host_tables.py) or maps them to the device's own cache
+(_host_cache.py). They do not take the row return.
+
 A dynamic-vocabulary table (``EmbeddingBagConfig(dynamic=...)``) is ROW_WISE in equal
 blocks, each device's block holding one bucket range of the hash index: ids go to the
 device of their hash, which maps them to rows (``_dynamic.py``). ``dynamic_statistics``,
@@ -348,15 +353,8 @@ class ShardedEmbeddingBagCollection(TableCollection):
                     ids, row, mean & here, batch * max_ids, **need)
             else:
                 group_values, offsets, psw = _dist.group_input(ids, row, mean & here, **need)
-            valid = jnp.arange(group_values.shape[0], dtype=offsets.dtype) < offsets[-1]
-            if group.placement == "host":  # the batch's rows, from this device's host memory
-                group_values, table = batch_rows(table, group_values.astype(jnp.int32), valid)
-                group_values = group_values.astype(offsets.dtype)
-            elif group.placement == "host_cached":  # rows to this device's cache rows (_host_cache.py)
-                slots, table = cache_rows_for(self._cache(i), table, [self._virtual_config(i)],
-                                              group_values.astype(jnp.int32), valid)
-                self.tables[i].set_value(table)  # the cache as the index has it, in evaluation too
-                group_values = slots.astype(offsets.dtype)
+            if group.in_host_memory:  # virtual rows to rows of the batch's rows or of the cache
+                group_values, table = self._host_rows(i, table, group_values, offsets)
             repeated = group.kind == DP and self.fused  # the global batch, on every device
             if repeated and psw is not None:
                 psw = _dist.repeated(psw, layout.world_size)
@@ -373,6 +371,19 @@ class ShardedEmbeddingBagCollection(TableCollection):
                                       for f, name in enumerate(layout.features)], axis=1)
         return KeyedTensor(list(layout.features), dims, pooled)
 
+    def _host_rows(self, i: int, table, values, offsets):
+        """``(values, tables)`` of group ``i`` in host memory: its virtual rows as rows of the
+        tables the lookup then runs on, the batch's rows (host) or this device's cache
+        (host_cached, _host_cache.py)."""
+        valid = jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]
+        if self.layout.groups[i].placement == "host":
+            ids, table = batch_rows(table, values.astype(jnp.int32), valid)
+            return ids.astype(offsets.dtype), table
+        slots, table = cache_rows_for(self._cache(i), table, [self._virtual_config(i)], values.astype(jnp.int32),
+                                      valid)
+        self.tables[i].set_value(table)  # the cache as the index has it, in evaluation too
+        return slots.astype(offsets.dtype), table
+
     def _group_bound(self, group):
         """``(here, max_ids)`` of a group: its features (a mask over ``feature_names``) and
         the most ids of their bags (0 unless every one has a ``max_ids_per_bag``)."""
@@ -388,7 +399,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
         the wire than the pooled bags."""
         here, max_ids = self._group_bound(group)
         rows = (self.layout.world_size > 1 and max_ids > 0  # one device: nothing to send
-                and 0 < capacity < batch * group.num_slots and not group.dynamic)
+                and 0 < capacity < batch * group.num_slots and not group.dynamic and not group.in_host_memory)
         return here, max_ids, rows
 
     def _row_return(self, i, local, max_ids, mean, weighted):
@@ -431,7 +442,7 @@ class ShardedEmbeddingBagCollection(TableCollection):
         ids = [_ids_by_feature(kjt, self.layout.features) for kjt in kjts]
         capacity = list(self.row_return_capacity)
         for i, group in enumerate(self.layout.groups):
-            if group.kind != DP and not group.dynamic and self._group_bound(group)[1] and \
+            if group.kind != DP and not group.dynamic and not group.in_host_memory and self._group_bound(group)[1] and \
                     _row_return.fits_keys(group):
                 capacity[i] = max(capacity[i], _row_return.fit_capacity(group, rows, ids))
         self.row_return_capacity = tuple(capacity)
