@@ -7,9 +7,9 @@ feature without a cap) would otherwise block for minutes and then die out of mem
 
 from __future__ import annotations
 
-import os
-
 import jax
+
+from jaxrec.ops.host_cache import HOST_LIMIT_VARIABLE, host_free_bytes, host_limit_bytes
 
 _GIB = 2.0**30
 
@@ -25,21 +25,6 @@ def free_bytes(device: jax.Device | None = None) -> int | None:
     if stats and "bytes_limit" in stats:
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     return host_free_bytes()
-
-
-def host_free_bytes() -> int | None:
-    """Bytes of host memory the system still has available; ``None`` when it cannot be told."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError):
-        return None
 
 
 def check_fits(collection: str, tables: dict[str, int], state_bytes: int, drawing_bytes: int,
@@ -64,19 +49,6 @@ def check_fits(collection: str, tables: dict[str, int], state_bytes: int, drawin
         f"device ({device.platform}) has {available / _GIB:.2f} GiB free{hint}{alone}. Cap num_embeddings "
         "(jaxrec train: --max-rows; re-index raw ids densely), use a smaller dtype, compress "
         "it (tt=TTConfig(...)) or shard the tables over devices (jaxrec.parallel).")
-
-
-HOST_LIMIT_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
-"""XLA's cap on the pinned host memory that JAX's GPU client hands out (its host memory
-kind), in GiB; 64 unless set before JAX starts."""
-
-
-def host_limit_bytes() -> int | None:
-    """Bytes of host memory JAX may place arrays in: XLA's cap on the GPU
-    (``HOST_LIMIT_VARIABLE``); ``None`` (no cap but the system's) elsewhere."""
-    if jax.devices()[0].platform != "gpu":
-        return None
-    return int(float(os.environ.get(HOST_LIMIT_VARIABLE, "64")) * _GIB)
 
 
 def check_host_fits(collection: str, tables: dict[str, int], available: int | None = None) -> None:

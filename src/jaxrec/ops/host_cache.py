@@ -25,6 +25,7 @@ offloading can follow. The jnp reference takes device arrays, for the tests.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Sequence
 
 import jax
@@ -35,6 +36,34 @@ from jaxrec import _ffi
 HOST_MEMORY = "pinned_host"
 """The memory kind of host-placed buffers: page-locked, so the GPU reaches it directly
 (on the CPU it is ordinary memory)."""
+
+
+def host_free_bytes() -> int | None:
+    """Bytes of host memory the system still has available; ``None`` when it cannot be told."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+HOST_LIMIT_VARIABLE = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
+"""XLA's cap on the pinned host memory that JAX's GPU client hands out (its host memory
+kind), in GiB; 64 unless set before JAX starts."""
+
+
+def host_limit_bytes() -> int | None:
+    """Bytes of host memory JAX may place arrays in: XLA's cap on the GPU
+    (``HOST_LIMIT_VARIABLE``); ``None`` (no cap but the system's) elsewhere."""
+    if jax.devices()[0].platform != "gpu":
+        return None
+    return int(float(os.environ.get(HOST_LIMIT_VARIABLE, "64")) * 2**30)
 
 
 def in_host_memory(x: jax.Array) -> bool:

@@ -7,7 +7,7 @@ import dataclasses
 
 import jax
 
-from jaxrec.nn._memory import host_free_bytes, host_limit_bytes
+from jaxrec.ops.host_cache import host_free_bytes, host_limit_bytes
 from jaxrec.parallel._types import ShardingType, as_sharding_type
 
 
