@@ -109,6 +109,7 @@ def test_what_several_processes_cannot_train_yet_is_refused_clearly(monkeypatch)
     for changes, why in [({"data": "movielens:x"}, "only the synthetic log and Criteo"),
                          ({"tt_ranks": (4, 4)}, "TT tables are not sharded"),
                          ({"table_optimizer": "plain"}, "use a fused table optimizer"),
+                         ({"placement": "host_cached"}, "tables in host memory are sharded over the devices of one"),
                          ({"batch_size": 100}, "pass a multiple of 8")]:
         with pytest.raises(ValueError, match=f"2 processes: .*{why}"):
             _processes.check(TrainConfig(**changes))

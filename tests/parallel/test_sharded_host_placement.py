@@ -1,11 +1,14 @@
-"""Sharded tables placed in host memory (``placement="host"``): each device's shards live in
-its host memory and each lookup reads the batch's rows (jaxrec.nn.host_tables).
+"""Sharded tables in host memory: each device's shards live in its host memory, and each
+lookup reads the batch's rows (``placement="host"``, jaxrec.nn.host_tables) or maps them
+to the device's own cache (``"host_cached"``, jaxrec.parallel._host_cache).
 
 Training a sharded model whose TABLE_WISE, ROW_WISE, COLUMN_WISE and TABLE_ROW_WISE
-tables are host-placed (by their configs, or by the plan) equals training the unsharded
-model with every table on the device: losses, tables, optimizer state and step. The
-tables stay in host memory through the steps and come back whole in their portable form,
-which loads into either placement. A data-parallel table cannot be host-placed."""
+tables are in host memory (by their configs, or by the plan) equals training the
+unsharded model with every table on the device: losses, tables, optimizer state and
+step, with evictions from each device's cache. The tables stay in host memory through the
+steps and come back whole in their portable form, which loads into either placement. A
+data-parallel table, a plan placing a table host-cached and several processes are
+refused."""
 
 from __future__ import annotations
 
@@ -81,14 +84,19 @@ def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind,
             np.testing.assert_array_equal(np.asarray(value), np.asarray(got[name][field]), err_msg=name)
 
 
-def test_a_data_parallel_table_cannot_be_host_placed():
+def test_what_cannot_be_in_host_memory_is_refused(monkeypatch):
+    """A data-parallel table, a plan placing a table host-cached, several processes."""
     tables = [dataclasses.replace(t, placement="host") for t in TABLES]
     ebc = EmbeddingBagCollection(tables, optimizer=Adam(learning_rate=0.05), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="table 't_tiny' is placed in host memory, which its DATA_PARALLEL"):
         par.shard(ebc, plan("mixed"), mesh())
     with pytest.raises(ValueError, match="placement must be None"):
         dataclasses.replace(plan("mixed")["t_user"], placement="host_cached")
-    assert jax.devices("cpu")  # the mesh is of CPU devices (tests/parallel/conftest.py)
+    with monkeypatch.context() as patch:  # several processes: not yet
+        patch.setattr(jax, "process_count", lambda: 2)
+        with pytest.raises(NotImplementedError, match=r"placed in host memory, which is sharded over the devices "
+                                                      r"of one process only so far"):
+            par.shard(host_placed(Adam(learning_rate=0.05)), plan("mixed"), mesh())
 
 
 def test_sharded_host_cached_training_equals_unsharded_training():

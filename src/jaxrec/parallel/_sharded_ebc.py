@@ -153,6 +153,11 @@ class ShardedEmbeddingBagCollection(TableCollection):
                                     placements=[placement(t, plan) if t.name in plan else t.placement
                                                 for t in specs])
         self.layout = build_layout(specs, plan)
+        hosted = [t.name for t in specs if placement(t, plan) != "device"]
+        if hosted and jax.process_count() > 1:
+            raise NotImplementedError(f"tables {hosted} are placed in host memory, which is sharded over the "
+                                      "devices of one process only so far; place them on the device to train "
+                                      f"over {jax.process_count()} processes")
         column_wise = [t.name for t, k in zip(tables, self.layout.kinds)
                        if k == ShardingType.COLUMN_WISE]
         if column_wise and optimizer is not None and not isinstance(optimizer, _COLUMN_SEPARABLE):

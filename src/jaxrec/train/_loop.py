@@ -67,7 +67,7 @@ from jaxrec.checkpoint import (
 from jaxrec.data import Prefetcher
 from jaxrec.nn import EmbeddingBagCollection, make_train_step, set_learning_rate
 from jaxrec.ops.host_cache import in_host_memory
-from jaxrec.parallel import load_portable_state, make_forward, portable_state
+from jaxrec.parallel import ShardedEmbeddingBagCollection, load_portable_state, make_forward, portable_state
 from jaxrec.train import _processes, _vocab
 from jaxrec.train._config import NONFINITE_POLICIES, TrainConfig
 from jaxrec.train._plot import plot_curves
@@ -387,7 +387,8 @@ class _Run:
             return None
         try:
             tables = {name: {k: v.item() for k, v in jax.device_get(stats).items()}
-                      for _, m in nnx.iter_modules(self.model) if isinstance(m, EmbeddingBagCollection)
+                      for _, m in nnx.iter_modules(self.model)
+                      if isinstance(m, (EmbeddingBagCollection, ShardedEmbeddingBagCollection))
                       for name, stats in m.cache_statistics().items()}
         except Exception:  # noqa: BLE001 (a failed step's state)
             return None

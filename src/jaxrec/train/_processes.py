@@ -66,6 +66,9 @@ def check(config: TrainConfig) -> None:
         why = ("--vocab dynamic: jaxrec train does not shard dynamic tables yet (their buckets "
                "must split evenly over the devices, which --max-rows does not ensure); train it in "
                "one process")
+    elif config.placement != "device":
+        why = (f"--placement {config.placement}: tables in host memory are sharded over the devices of "
+               "one process only so far; train it in one process, or place the tables on the device")
     elif config.table_optimizer == "plain":
         why = ("--table-optimizer plain: the optax state of sharded plain tables depends on the "
                "plan, so their checkpoints would not restore on another number of processes; "
