@@ -33,6 +33,19 @@ RTOL, ATOL = 2e-5, 1e-6  # as tests/parallel/test_sharded_training.py: sums in a
 HOSTED = {"t_user", "t_item", "t_geo", "t_x"}  # every table but the data-parallel t_tiny
 
 
+def train_side_by_side(reference, model, *, weighted: bool) -> None:
+    """Three steps of the unsharded ``reference`` on the global batch and of the sharded
+    ``model`` on its shards (Adam on the dense part); their losses agree at each step."""
+    tx = optax.adam(1e-2)
+    ref_opt, opt = nnx.Optimizer(reference, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
+    ref_step = make_train_step(lambda m, b: squared_error(m, b, N * B))
+    step = make_train_step(lambda m, b: squared_error(m, b, B))
+    for i in range(3):
+        batch = random_batch(i, weighted=weighted)
+        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh())),
+                                   ref_step(reference, ref_opt, batch), rtol=RTOL)
+
+
 def host_placed(optimizer) -> Model:
     tables = [dataclasses.replace(t, placement="host") if t.name in HOSTED else t for t in TABLES]
     return Model(EmbeddingBagCollection(tables, optimizer=optimizer, rngs=nnx.Rngs(0)), rngs=nnx.Rngs(1))
@@ -49,7 +62,6 @@ def by_plan(kind: str) -> par.ShardingPlan:
     (Adam(learning_rate=0.05), "mixed", "configs", None), (RowWiseAdagrad(learning_rate=0.1), "rows", "plan", 3)])
 def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind, placed_by, bound):
     """``bound``: max_ids_per_bag (the ids read from per-feature windows)."""
-    tx = optax.adam(1e-2)
     reference = build(optimizer)
     if placed_by == "configs":
         model = par.shard(host_placed(optimizer), plan(kind), mesh(), max_ids_per_bag=bound)
@@ -58,13 +70,7 @@ def test_sharded_host_placed_training_equals_unsharded_training(optimizer, kind,
     ebc = model.sparse_arch
     hosted = [g for g in ebc.layout.groups if g.in_host_memory]
     assert hosted and not any(g.in_host_memory for g in ebc.layout.groups if g.kind == "dp")
-    ref_opt, opt = nnx.Optimizer(reference, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
-    ref_step = make_train_step(lambda m, b: squared_error(m, b, N * B))
-    step = make_train_step(lambda m, b: squared_error(m, b, B))
-    for i in range(3):
-        batch = random_batch(i, weighted=True)
-        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh())),
-                                   ref_step(reference, ref_opt, batch), rtol=RTOL)
+    train_side_by_side(reference, model, weighted=True)
     for g, var in zip(ebc.layout.groups, ebc.tables):  # the host groups' buffers stayed in host memory
         tables = var.get_value()
         assert in_host_memory(tables.weights) == g.in_host_memory, g
@@ -114,14 +120,7 @@ def test_sharded_host_cached_training_equals_unsharded_training():
     ebc = model.sparse_arch
     cached = [g for g in ebc.layout.groups if g.placement == "host_cached"]
     assert cached and all(g.cache_rows == 128 for g in cached) and len(ebc.caches) == len(cached)
-    tx = optax.adam(1e-2)
-    ref_opt, opt = nnx.Optimizer(reference, tx, wrt=nnx.Param), nnx.Optimizer(model, tx, wrt=nnx.Param)
-    ref_step = make_train_step(lambda m, b: squared_error(m, b, N * B))
-    step = make_train_step(lambda m, b: squared_error(m, b, B))
-    for i in range(3):
-        batch = random_batch(i, weighted=False)
-        np.testing.assert_allclose(step(model, opt, par.shard_batch(batch, mesh())),
-                                   ref_step(reference, ref_opt, batch), rtol=RTOL)
+    train_side_by_side(reference, model, weighted=False)
     stats = ebc.cache_statistics()
     assert stats and all(int(s["inserted"]) > 0 for s in stats.values())
     assert all(in_host_memory(c.get_value().rows.weights) for c in ebc.caches)

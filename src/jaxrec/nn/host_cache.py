@@ -44,13 +44,14 @@ from flax import nnx
 
 from jaxrec import _step_guard
 from jaxrec.fused import FusedEmbeddingTables
+from jaxrec.nn._configs import CACHE_BUCKET
 from jaxrec.nn.dynamic import COUNTERS, IndexState
 from jaxrec.nn.host_tables import buffers, new_host_tables, place_in_host_memory, with_buffers
 from jaxrec.ops import hash_table
 from jaxrec.ops.host_cache import exchange_rows
 from jaxrec.ops.tbe_layout import TableLayout
 
-BUCKET_SIZE = 128
+BUCKET_SIZE = CACHE_BUCKET
 """Slots per bucket of a cache's index (HierarchicalKV's bucket)."""
 
 

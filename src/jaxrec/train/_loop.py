@@ -138,7 +138,7 @@ class _Run:
             # another program than one whose are not. Without this a resumed run compiled
             # its step twice (some inputs restored, then all committed by the first step)
             # and never the fresh run's program.
-            # Each array keeps its memory (host-cached tables stay in host memory).
+            # Each array keeps its memory (tables in host memory stay there).
             device = jax.devices()[0]
             for holder in (self.model, self.optimizer):
                 nnx.update(holder, jax.tree.map(lambda x: jax.device_put(x, jax.sharding.SingleDeviceSharding(
