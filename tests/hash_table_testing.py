@@ -42,7 +42,8 @@ def fresh_row(name: str, step: int, i: int, bits: int, dim: int, low: float, hig
 class DictModel:
     """The table as a dict id -> slot plus per-slot arrays, updated one id at a time: a
     bucket's new ids in hash order take its empty slots by position, then the slots no id
-    of the batch uses by (score, position)."""
+    of the batch uses (nor, with keep_seen, an earlier call of the step saw) by (score,
+    position)."""
 
     def __init__(self, num_buckets, size, policy, bits):
         self.nb, self.size, self.policy, self.bits = num_buckets, size, policy, bits
@@ -60,7 +61,7 @@ class DictModel:
     def digest(self, i):
         return fmix(i, self.bits) & 0xFF or 1
 
-    def find_or_insert(self, ids, valid, step):
+    def find_or_insert(self, ids, valid, step, keep_seen=False):
         counts = collections.Counter(int(i) for i, v in zip(ids, valid) if v)
         found = {i: self.slot_of[i] for i in counts if i in self.slot_of}
         hit = set(found.values())
@@ -71,7 +72,8 @@ class DictModel:
             cells = range(b * self.size, (b + 1) * self.size)
             empty = [c for c in cells if not self.used[c]]
             old = [] if self.policy == "none" else sorted(
-                (c for c in cells if self.used[c] and c not in hit), key=lambda c: (self.scores[c], c))
+                (c for c in cells if self.used[c] and c not in hit and not (keep_seen and self.seen[c] == step)),
+                key=lambda c: (self.scores[c], c))
             candidates = empty + old
             for rank, i in enumerate(i for i in missing if self.bucket(i) == b):
                 if rank >= len(candidates):

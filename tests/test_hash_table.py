@@ -22,21 +22,28 @@ def _jitted(policy, backend="auto"):
 
 
 @pytest.mark.parametrize("backend", ["kernel", "reference"])
-@pytest.mark.parametrize("policy", ht.POLICIES)
-def test_find_or_insert_equals_the_dict_model(platform, backend, policy):
-    rng = np.random.default_rng({"lru": 0, "lfu": 1, "none": 2}[policy])
+@pytest.mark.parametrize("policy,prefetch", [(p, False) for p in ht.POLICIES] + [("lru", True), ("lfu", True)])
+def test_find_or_insert_equals_the_dict_model(platform, backend, policy, prefetch):
+    """``prefetch``: odd calls place a second batch at the step of the call before, keeping
+    (``keep_seen``) the slots that call saw."""
+    rng = np.random.default_rng({"lru": 0, "lfu": 1, "none": 2}[policy] + 10 * prefetch)
     num_buckets, size, n = 6, 4, 20  # 24 slots for ~70 distinct ids: buckets overflow
     table = ht.create(num_buckets * size, bucket_size=size)
     model = DictModel(num_buckets, size, policy, 32)
     step_fn = _jitted(policy, backend)
+    keeping = jax.jit(functools.partial(ht.find_or_insert, policy=policy, backend=backend, keep_seen=True))
     universe = np.concatenate([rng.integers(-2**31, 2**31, 40), np.arange(-3, 27)]).astype(np.int32)
     totals = np.zeros(3, int)
-    for step in range(40):
+    for call in range(80 if prefetch else 40):
+        step, keep = (call // 2, call % 2 == 1) if prefetch else (call, False)
         hot = universe[: 8 + step]  # repeats of old ids, and new ones arriving
         ids = rng.choice(hot, size=n).astype(np.int32)
         valid = rng.random(n) > 0.15
-        slots, table, info = step_fn(table, jnp.asarray(ids), step, valid=jnp.asarray(valid))
-        want_slots, want_fresh, want_counts = model.find_or_insert(ids, valid, step)
+        slots, table, info = (keeping if keep else step_fn)(table, jnp.asarray(ids), step, valid=jnp.asarray(valid))
+        want_slots, want_fresh, want_counts = model.find_or_insert(ids, valid, step, keep_seen=keep)
+        if keep:  # the batch before (in flight) keeps every slot it had
+            assert all(model.slot_of.get(i) == c for i, c in in_flight.items()), step
+        in_flight = {int(i): int(c) for i, c in zip(ids, want_slots) if c >= 0}
         np.testing.assert_array_equal(np.asarray(slots), want_slots, err_msg=f"step {step}")
         used = np.asarray(table.used).ravel()
         np.testing.assert_array_equal(used, model.used)

@@ -1,4 +1,6 @@
-// Row copies between buffers on the CPU (csrc/common/copy_rows.h).
+// Row copies between buffers on the CPU (csrc/common/copy_rows.h). The CPU has no second
+// stream: a background copy (jaxrec_copy_rows_async) is done when it returns, and
+// jaxrec_wait_copies has nothing to wait for.
 #include "common/copy_rows.h"
 
 #include <cstring>
@@ -23,6 +25,13 @@ ffi::Error CopyRowsCpu(ffi::AnyBuffer dst_rows, ffi::AnyBuffer src_rows, ffi::An
   return ffi::Error::Success();
 }
 
+// ``x``: the background copies are done already.
+ffi::Error WaitCopiesCpu(ffi::AnyBuffer x, ffi::RemainingArgs, ffi::Result<ffi::AnyBuffer> out) {
+  if (out->untyped_data() != x.untyped_data())
+    std::memcpy(out->untyped_data(), x.untyped_data(), x.size_bytes());
+  return ffi::Error::Success();
+}
+
 }  // namespace jaxrec::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsCpu, jaxrec::cpu::CopyRowsCpu,
@@ -34,3 +43,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsCpu, jaxrec::cpu::CopyRowsCpu,
                                   .Ret<xla::ffi::AnyBuffer>()  // dst, updated
                                   .Attr<int64_t>("src_num_rows")
                                   .Attr<int64_t>("dst_num_rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsAsyncCpu, jaxrec::cpu::CopyRowsCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()  // dst_rows
+                                  .Arg<xla::ffi::AnyBuffer>()  // src_rows
+                                  .Arg<xla::ffi::AnyBuffer>()  // src
+                                  .Arg<xla::ffi::AnyBuffer>()  // dst
+                                  .Ret<xla::ffi::AnyBuffer>()  // dst, updated
+                                  .Attr<int64_t>("src_num_rows")
+                                  .Attr<int64_t>("dst_num_rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecWaitCopiesCpu, jaxrec::cpu::WaitCopiesCpu,
+                              xla::ffi::Ffi::Bind()
+                                  .Arg<xla::ffi::AnyBuffer>()    // x
+                                  .RemainingArgs()               // kept alive until now
+                                  .Ret<xla::ffi::AnyBuffer>());  // x

@@ -60,7 +60,7 @@ struct Table {
 // Places runs [begin, end), the runs of bucket `bucket`.
 template <typename I>
 void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, const int32_t* counts,
-                 int64_t begin, int64_t end, int32_t step, int32_t policy, int32_t* run_slots,
+                 int64_t begin, int64_t end, int32_t step, int32_t policy, int32_t keep_seen, int32_t* run_slots,
                  int32_t* status) {
   const int64_t first = bucket * t.size;
   I* k = keys + first;
@@ -89,7 +89,9 @@ void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, cons
   if (fresh.empty()) return;
   std::vector<std::pair<uint64_t, int>> candidates;
   for (int p = 0; p < t.size; ++p) {
-    const uint64_t rank = CandidateRank(d[p] == 0, hit[p], score[p], p, policy);
+    // in use: hit by this batch, or (keep_seen) seen at this step by an earlier call
+    const bool in_use = hit[p] || (keep_seen && t.seen[first + p] == step);
+    const uint64_t rank = CandidateRank(d[p] == 0, in_use, score[p], p, policy);
     if (rank != kNotCandidate) candidates.emplace_back(rank, p);
   }
   const size_t placed = std::min(fresh.size(), candidates.size());
@@ -108,7 +110,7 @@ void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, cons
 
 template <typename I>
 void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, const int32_t* run_tables,
-            const int32_t* counts, int64_t n, int32_t step, int32_t policy, int32_t* run_slots,
+            const int32_t* counts, int64_t n, int32_t step, int32_t policy, int32_t keep_seen, int32_t* run_slots,
             int32_t* status) {
   auto bucket = [&](int64_t r) { return t.ranges.Of(Hash(run_ids[r]), run_tables[r]); };
   // An item places the buckets whose first run lies in its share of the runs.
@@ -121,7 +123,7 @@ void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, co
       int64_t end = r + 1;
       while (end < n && bucket(end) == b) ++end;
       if (b >= 0) {
-        PlaceBucket(t, keys, b, run_ids, counts, r, end, step, policy, run_slots, status);
+        PlaceBucket(t, keys, b, run_ids, counts, r, end, step, policy, keep_seen, run_slots, status);
       } else {  // runs of no range: no ids
         for (int64_t q = r; q < end; ++q) run_slots[q] = -1, status[q] = kNotAnId;
       }
@@ -159,7 +161,7 @@ ffi::Error HashInsertCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys_in, ffi::AnyB
                          ffi::AnyBuffer bounds, ffi::Result<ffi::AnyBuffer> keys,
                          ffi::Result<ffi::AnyBuffer> digests, ffi::Result<ffi::AnyBuffer> scores,
                          ffi::Result<ffi::AnyBuffer> seen, ffi::Result<ffi::Buffer<ffi::S32>> run_slots,
-                         ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy) {
+                         ffi::Result<ffi::Buffer<ffi::S32>> status, int32_t policy, int32_t keep_seen) {
   constexpr std::string_view kOp = "jaxrec_hash_insert";
   if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, run_ids, run_tables, bounds);
       e.failure()) {
@@ -180,7 +182,7 @@ ffi::Error HashInsertCpu(ffi::ThreadPool pool, ffi::AnyBuffer keys_in, ffi::AnyB
     using I = decltype(zero);
     Insert<I>(pool, t, keys->typed_data<I>(), run_ids.typed_data<I>(), run_tables.typed_data<int32_t>(),
               counts.typed_data<int32_t>(), run_ids.element_count(), step.typed_data<int32_t>()[0], policy,
-              run_slots->typed_data(), status->typed_data());
+              keep_seen, run_slots->typed_data(), status->typed_data());
     return ffi::Error::Success();
   });
 }
@@ -218,4 +220,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashInsertCpu, jaxrec::cpu::HashInsertCpu,
                                   .Ret<xla::ffi::AnyBuffer>()              // seen (aliased)
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // run_slots
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // status
-                                  .Attr<int32_t>("policy"));
+                                  .Attr<int32_t>("policy")
+                                  .Attr<int32_t>("keep_seen"));

@@ -216,7 +216,7 @@ __device__ __forceinline__ uint64_t TileMin(const Tile& tile, uint64_t x) {
 template <typename I>
 __global__ void __launch_bounds__(kTileThreads)
     PlaceNewRuns(Table t, I* __restrict__ keys, Runs<I> runs, int64_t launched,
-                 const int32_t* __restrict__ step, int32_t policy) {
+                 const int32_t* __restrict__ step, int32_t policy, int32_t keep_seen) {
   __shared__ uint32_t hit_words[kTilesPerBlock][2][kMaxBucketSize / 32];  // hit, empty
   const auto tile = cg::tiled_partition<kTile>(cg::this_thread_block());
   const int lane = static_cast<int>(tile.thread_rank());
@@ -292,7 +292,8 @@ __global__ void __launch_bounds__(kTileThreads)
     } else {
       best = kNotCandidate;
       for (int p = lane; p < size; p += kTile) {
-        const bool is_hit = (hit[p / 32] >> (p % 32)) & 1u;
+        // in use: hit by this batch, or (keep_seen) seen at this step by an earlier call
+        const bool is_hit = ((hit[p / 32] >> (p % 32)) & 1u) || (keep_seen && t.seen[first + p] == *step);
         const uint64_t rank =
             CandidateRank(t.digests[first + p] == 0, is_hit, t.scores[first + p], p, policy);
         if ((first_pick || rank > last) && rank < best) best = rank;
@@ -449,7 +450,7 @@ struct Work {
 template <typename I>
 ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Table& t, I* keys,
                         const I* ids, const bool* valid, const int32_t* table_of, int64_t n, int64_t capacity,
-                        const int32_t* step, int32_t policy, int32_t* slots, int32_t* fresh,
+                        const int32_t* step, int32_t policy, int32_t keep_seen, int32_t* slots, int32_t* fresh,
                         int32_t* counts) {
   constexpr const char* kOp = "jaxrec_hash_find_or_insert";
   using H = decltype(Hash(I{}));
@@ -504,7 +505,7 @@ ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   CompactRuns<I><<<blocks, kThreads, 0, stream>>>(ids, w.tables, w.order, w.heads, w.run_of, n, t.ranges,
                                                   w.runs, w.count);
   LookupRuns<I><<<blocks, kThreads, 0, stream>>>(t, keys, w.runs, n, step, policy);
-  PlaceNewRuns<I><<<tile_blocks, kTileThreads, 0, stream>>>(t, keys, w.runs, n, step, policy);
+  PlaceNewRuns<I><<<tile_blocks, kTileThreads, 0, stream>>>(t, keys, w.runs, n, step, policy, keep_seen);
   ScatterSlots<<<blocks, kThreads, 0, stream>>>(w.tables, w.order, w.run_of, w.runs.slots, n, num_ranges,
                                                 slots);
   FinishRuns<I>
@@ -520,7 +521,7 @@ ffi::Error HashFindOrInsertCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
                                 ffi::Result<ffi::AnyBuffer> digests, ffi::Result<ffi::AnyBuffer> scores,
                                 ffi::Result<ffi::AnyBuffer> seen, ffi::Result<ffi::Buffer<ffi::S32>> slots,
                                 ffi::Result<ffi::Buffer<ffi::S32>> fresh,
-                                ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t policy) {
+                                ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t policy, int32_t keep_seen) {
   constexpr const char* kOp = "jaxrec_hash_find_or_insert";
   if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, ids, table_of, bounds);
       e.failure())
@@ -550,7 +551,7 @@ ffi::Error HashFindOrInsertCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
     using I = decltype(zero);
     return FindOrInsert<I>(stream, scratch, t, keys->typed_data<I>(), ids.typed_data<I>(),
                            valid.typed_data<bool>(), table_of.typed_data<int32_t>(), n, dims[0] * dims[1],
-                           step.typed_data<int32_t>(), policy, slots->typed_data(), fresh->typed_data(),
+                           step.typed_data<int32_t>(), policy, keep_seen, slots->typed_data(), fresh->typed_data(),
                            counts->typed_data());
   });
 }
@@ -589,4 +590,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecHashFindOrInsertCuda, jaxrec::HashFindOrInse
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // slots
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // fresh
                                   .Ret<xla::ffi::Buffer<xla::ffi::S32>>()  // counts [3, T]
-                                  .Attr<int32_t>("policy"));
+                                  .Attr<int32_t>("policy")
+                                  .Attr<int32_t>("keep_seen"));

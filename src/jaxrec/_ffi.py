@@ -37,6 +37,8 @@ TARGETS = {
         "jaxrec_hash_find": "JaxrecHashFindCpu",
         "jaxrec_hash_insert": "JaxrecHashInsertCpu",
         "jaxrec_copy_rows": "JaxrecCopyRowsCpu",
+        "jaxrec_copy_rows_async": "JaxrecCopyRowsAsyncCpu",
+        "jaxrec_wait_copies": "JaxrecWaitCopiesCpu",
     },
     "cuda": {
         "jaxrec_bounds_check_indices": "JaxrecBoundsCheckIndicesCuda",
@@ -49,6 +51,8 @@ TARGETS = {
         "jaxrec_hash_find": "JaxrecHashFindCuda",
         "jaxrec_hash_find_or_insert": "JaxrecHashFindOrInsertCuda",
         "jaxrec_copy_rows": "JaxrecCopyRowsCuda",
+        "jaxrec_copy_rows_async": "JaxrecCopyRowsAsyncCuda",
+        "jaxrec_wait_copies": "JaxrecWaitCopiesCuda",
     },
 }
 

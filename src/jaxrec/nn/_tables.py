@@ -292,21 +292,26 @@ class GroupedTables(TableCollection):
         their tables under the collection's bounds-check mode (an id NONE leaves out of range
         looks up nothing), as ids of the device tables that the lookup then runs on
         unchecked: the cache (host-cached, nn/host_cache.py) or the batch's rows (host,
-        nn/host_tables.py)."""
+        nn/host_tables.py). A host-cached group also caches the rows of the batch being
+        prefetched (``host_cache.prefetching``), whose out-of-range ids it leaves out."""
         group = self.groups[i]
         full = host_layout(group.layout, group.tables)
         values, offsets, _ = bounds_check_indices(
             full.feature_rows, values, offsets, kwargs["bounds_check_mode"],
             feature_names=kwargs["feature_names"], table_names=kwargs["table_names"], backend=self.backend)
         kwargs["bounds_check_mode"] = BoundsCheckMode.NONE
-        table_of = _table_of_entries(offsets, group.layout, values.shape[0])
-        rows = jnp.asarray(full.rows, values.dtype)[0 if table_of is None else table_of]
-        valid = (jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]) & (values >= 0) & (values < rows)
+        table_of, valid = _ids_in_tables(values, offsets, full)
         if group.placement == "host":
             first = 0 if table_of is None else jnp.asarray(full.row_offsets, jnp.int32)[table_of]
             ids, scratch = batch_rows(table, first + values.astype(jnp.int32), valid)
             return ids.astype(offsets.dtype), offsets, scratch
-        slots, table = cache_rows_for(self._cache(i), table, group.tables, values, valid, table_of)
+        upcoming = host_cache.upcoming_features(group.feature_names)
+        if upcoming is not None:
+            upcoming = features_in_order(upcoming, group.feature_names)
+            up_values, up_offsets = upcoming.values(), bag_offsets(upcoming)
+            up_table_of, up_valid = _ids_in_tables(up_values, up_offsets, full)
+            upcoming = (up_values, up_valid, up_table_of)
+        slots, table = cache_rows_for(self._cache(i), table, group.tables, values, valid, table_of, upcoming)
         # The cache now holds the rows the index says it does, in evaluation too (with no
         # backward to hand the tables back); a train step takes its tables from the backward.
         self.tables[i].set_value(table)
@@ -355,6 +360,15 @@ class GroupedTables(TableCollection):
         else:
             out = embedding_bag_lookup(table, values, offsets, layout=group.layout, **kwargs)
         return out if pooling == PoolingMode.NONE else expand_variable_batch(out, features, group.layout.feature_dims)
+
+
+def _ids_in_tables(values: jax.Array, offsets: jax.Array, full: TableLayout):
+    """``(table_of, valid)`` of a group's ids (``_table_of_entries``): whether each entry is
+    an id (not padding) inside its table of the full layout ``full``."""
+    table_of = _table_of_entries(offsets, full, values.shape[0])
+    rows = jnp.asarray(full.rows, values.dtype)[0 if table_of is None else table_of]
+    valid = (jnp.arange(values.shape[0], dtype=offsets.dtype) < offsets[-1]) & (values >= 0) & (values < rows)
+    return table_of, valid
 
 
 def _rows_of_tables(slots: jax.Array, table_of: jax.Array | None, layout) -> jax.Array:

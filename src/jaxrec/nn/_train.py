@@ -40,6 +40,7 @@ walk (at 4 GPUs the graph walk had made the host the bottleneck of the sharded D
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import operator
 import weakref
@@ -53,13 +54,15 @@ from jaxrec import _step_guard
 from jaxrec._mesh import on_mesh
 from jaxrec.fused import guarded_update
 from jaxrec.fused import set_learning_rate as _set_tables_learning_rate
+from jaxrec.nn import host_cache
 from jaxrec.nn._collection import TableCollection
 from jaxrec.nn._fused_variable import FusedTables
 from jaxrec.nn._split_cache import SplitCache, split_for_training, write_back
 
 
 class TrainStep:
-    """``train_step(model, optimizer, *batch) -> loss``, built by ``make_train_step``.
+    """``train_step(model, optimizer, *batch, prefetch=None) -> loss``, built by
+    ``make_train_step``.
 
     ``check()`` waits for the issued steps and raises what they found (a
     ``jaxrec.NonFiniteError`` or a FATAL bounds-check ``ValueError``, the step's update
@@ -78,7 +81,7 @@ class TrainStep:
         self._per_graphdef = {}  # model graphdef -> (mesh, axis, {key: (jitted, messages)})
         self._opt_graphdefs = {}  # optimizer graphdef -> a small int that stands for it in keys
 
-    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, *batch):
+    def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, *batch, prefetch=None):
         if not isinstance(optimizer, nnx.Optimizer):
             raise TypeError(f"optimizer must be a flax.nnx.Optimizer (nnx.Optimizer(model, tx, "
                             f"wrt=nnx.Param)), got {type(optimizer).__name__}")
@@ -89,6 +92,9 @@ class TrainStep:
                 found = self._per_graphdef[split.graphdef] = (*_placement(model, optimizer.wrt), {})
             split.derived["steps"] = found
         mesh, axis, steps = split.derived["steps"]
+        if prefetch is not None and mesh is not None:
+            raise NotImplementedError("prefetch= is built for unsharded collections only: a sharded "
+                                      "collection's host-cached tables load each batch's rows inside its step")
         opt_split = self._optimizers.split(optimizer)
         if "token" not in opt_split.derived:  # the graphdef (and its tx) hashed once per split
             opt_split.derived["token"] = self._opt_graphdefs.setdefault(
@@ -102,14 +108,15 @@ class TrainStep:
         structure = specs = None
         if mesh is not None:  # every array on the mesh, and its spec (a spec per leaf)
             lists, structure, specs = _placed(split, lists, mesh)
-        key = (opt_split.derived["token"], structure, specs, len(batch))
+        key = (opt_split.derived["token"], structure, specs, len(batch), prefetch is not None)
         compiled = steps.get(key)
         if compiled is None:
             compiled = steps[key] = self._compile(split, opt_split, optimizer, mesh, axis,
-                                                  structure, specs, len(batch))
+                                                  structure, specs, len(batch), prefetch is not None)
         step, messages = compiled
+        upcoming = () if prefetch is None else (prefetch,)
         try:
-            params, opt_state, tables, rest, loss, aux, fatal, latch = step(*lists, *batch)
+            params, opt_state, tables, rest, loss, aux, fatal, latch = step(*lists, *batch, *upcoming)
         except jax.errors.JaxRuntimeError as e:  # raised before the step ran: nothing donated
             if self._donate and "donate the same buffer twice" in str(e):
                 raise ValueError(_shared_arrays_message(model, optimizer)) from None
@@ -121,9 +128,10 @@ class TrainStep:
             _remember_placed(split, (params, opt_state, tables, rest, latch), structure, specs)
         return (loss, aux) if self._has_aux else loss
 
-    def _compile(self, split, opt_split, optimizer, mesh, axis, structure, specs, batch_count):
+    def _compile(self, split, opt_split, optimizer, mesh, axis, structure, specs, batch_count, prefetched):
         """The jitted step over flat lists: per state (params, optimizer, tables, rest) the
-        raw value of each Variable, in the split's order, then the guard's latch; sharded: ``shard_map`` with
+        raw value of each Variable, in the split's order, then the guard's latch, the batch
+        and (``prefetched``) the features to prefetch; sharded: ``shard_map`` with
         ``specs``, a spec per array leaf of those lists (``structure``)."""
         loss_fn, has_aux, graphdef = self._loss_fn, self._has_aux, split.graphdef
         tx, wrt = optimizer.tx, optimizer.wrt
@@ -138,7 +146,12 @@ class TrainStep:
             # state (ShardedEmbeddingBagCollection.dropped_ids).
             params = jax.tree.unflatten(treedefs[0], jax.tree.leaves(params))
             model = nnx.merge(graphdef, params, tables, rest, copy=True)
-            out = loss_fn(model, *batch)
+            upcoming = contextlib.nullcontext()
+            if prefetched:
+                *batch, features = batch
+                upcoming = host_cache.prefetching(features)
+            with upcoming:
+                out = loss_fn(model, *batch)
             loss, aux = out if has_aux else (out, None)
             return loss / n, (loss, aux, split_for_training(model, wrt)[3])
 
@@ -208,6 +221,12 @@ def make_train_step(loss_fn, *, has_aux: bool = False, donate: bool = True,
     it (``train_step.stats()``). ``"ignore"`` applies every step unchecked. A FATAL bounds
     check never updates anything and raises the same way; every device of a sharded step
     skips together.
+
+    ``prefetch=`` (a call's keyword): the next batch's ``KeyedJaggedTensor`` (or a sequence
+    of them, one per collection's features). The host-cached tables then also cache that
+    batch's rows, copied from host memory in the background while this step computes; the
+    rows of both batches stay cached until the next step has looked its own up
+    (docs/host_memory.md, "Prefetch"). Unsharded collections only; it changes no result.
     """
     _step_guard.check_policy(on_nonfinite)
     return TrainStep(loss_fn, has_aux=has_aux, donate=donate, on_nonfinite=on_nonfinite)

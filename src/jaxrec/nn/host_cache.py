@@ -34,7 +34,10 @@ row and state for as long as the id is cached, and the host row is current other
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -48,7 +51,7 @@ from jaxrec.nn._configs import CACHE_BUCKET
 from jaxrec.nn.dynamic import COUNTERS, IndexState
 from jaxrec.nn.host_tables import buffers, new_host_tables, place_in_host_memory, with_buffers
 from jaxrec.ops import hash_table
-from jaxrec.ops.host_cache import exchange_rows
+from jaxrec.ops.host_cache import exchange_rows, start_exchange, wait_copies
 from jaxrec.ops.tbe_layout import TableLayout
 
 BUCKET_SIZE = CACHE_BUCKET
@@ -66,6 +69,29 @@ class CacheState(NamedTuple):
 class HostCache(nnx.Variable):
     """The ``CacheState`` of a group of host-cached tables: state, not trained;
     checkpointed with the model."""
+
+
+_UPCOMING: contextvars.ContextVar[tuple] = contextvars.ContextVar("jaxrec_upcoming_features", default=())
+
+
+@contextlib.contextmanager
+def prefetching(features):
+    """Inside, the lookups of host-cached tables also cache the rows of ``features`` (the
+    next batch's ``KeyedJaggedTensor``, or a sequence of them: each collection takes the
+    first that holds its features), loaded in the background while the step computes
+    (module doc, "Prefetch"). ``jaxrec.nn.make_train_step``'s ``prefetch=`` enters it
+    around the loss; a collection outside a fused train step must not be called inside."""
+    features = tuple(features) if isinstance(features, (list, tuple)) else (features,)
+    token = _UPCOMING.set(features)
+    try:
+        yield
+    finally:
+        _UPCOMING.reset(token)
+
+
+def upcoming_features(names: Sequence[str]):
+    """The prefetched KJT that holds every feature of ``names``, or None (``prefetching``)."""
+    return next((f for f in _UPCOMING.get() if set(names) <= set(f.keys())), None)
 
 
 def check_collection(configs, optimizer, placements=None) -> None:
@@ -110,55 +136,80 @@ def new_state(cache: FusedEmbeddingTables, configs, draw) -> CacheState:
     return CacheState(index, rows)
 
 
-def cache_rows_for(var: HostCache, cache: FusedEmbeddingTables, configs, ids, valid, table_of=None):
+def cache_rows_for(var: HostCache, cache: FusedEmbeddingTables, configs, ids, valid, table_of=None,
+                   upcoming=None):
     """``(rows, cache)``: each id's row of the group's cache (-1 where ``valid`` is False),
     and the cache with the rows of newly cached ids loaded; the index and the host copy
     are updated (module doc). ``table_of``: each id's table in ``configs`` (default: the
-    first); the ids must lie in their tables."""
+    first); the ids must lie in their tables.
+
+    ``upcoming``: ``(ids, valid, table_of)`` of the next batch, prefetched: its rows are
+    cached too, loaded in the background while the step computes, and the returned
+    cache's fused update waits for them (module doc, "Prefetch")."""
     state = var.get_value()
     bounds = ranges(configs)
-    old = state.index.table
-    slots, table, info = hash_table.find_or_insert(old, ids.astype(old.keys.dtype), cache.step,
-                                                   policy=configs[0].cache_policy, valid=valid,
-                                                   table_of=table_of, ranges=bounds)
+    policy = configs[0].cache_policy
+    index = state.index
+    slots, table, info = hash_table.find_or_insert(index.table, ids.astype(index.table.keys.dtype), cache.step,
+                                                   policy=policy, valid=valid, table_of=table_of, ranges=bounds)
     _report_overflow(info.failed, configs)
-    # each newly cached id's slot, the id it evicted (if any) and the table of that slot
+    sizes = dict(cache_num_rows=sum(cache.layout.rows), host_num_rows=sum(state.rows.layout.rows))
+    new_cache, new_host = exchange_rows(jax.lax.stop_gradient(buffers(cache)), buffers(state.rows),
+                                        *_exchanged(index.table, table, info, state.rows.layout, bounds), **sizes)
+    counts = (info.inserted, info.evicted, info.failed)
+    in_flight = ()
+    if upcoming is not None:  # this batch's rows (seen at this step) stay; the next batch's may
+        # fail to find one (a step does not fail for it: its own step retries)
+        up_ids, up_valid, up_table_of = upcoming
+        before = table
+        _, table, up = hash_table.find_or_insert(before, up_ids.astype(before.keys.dtype), cache.step, policy=policy,
+                                                 valid=up_valid, table_of=up_table_of, ranges=bounds, keep_seen=True)
+        new_cache, new_host, in_flight = start_exchange(
+            new_cache, new_host, *_exchanged(before, table, up, state.rows.layout, bounds), **sizes)
+        counts = tuple(a + b for a, b in zip(counts, (up.inserted, up.evicted, up.failed)))
+    var.set_value(CacheState(IndexState(table, *(a + b for a, b in zip(index[1:4], counts)), index.unknown),
+                             with_buffers(state.rows, new_host)))
+    return slots, _through(cache, with_buffers(cache, new_cache), in_flight)
+
+
+def _exchanged(old: hash_table.HashTable, new: hash_table.HashTable, info: hash_table.InsertInfo,
+               host: TableLayout, bounds) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(cache_rows, evict_rows, load_rows)`` of ``exchange_rows`` for what one
+    ``find_or_insert`` did (``old`` -> ``new``): each newly cached id's slot, the host row
+    of the id it evicted (if any, else -1) and its own host row; -1 past the new ids."""
     fresh = info.fresh_slots
-    is_fresh = fresh < table.capacity
-    at = jnp.minimum(fresh, table.capacity - 1)
-    slot_table = hash_table.range_of_slots(at, bounds, BUCKET_SIZE)
-    host_first = jnp.asarray(state.rows.layout.row_offsets, jnp.int32)[slot_table]
+    is_fresh = fresh < new.capacity
+    at = jnp.minimum(fresh, new.capacity - 1)
+    host_first = jnp.asarray(host.row_offsets, jnp.int32)[hash_table.range_of_slots(at, bounds, BUCKET_SIZE)]
     evicting = is_fresh & (old.digests.reshape(-1)[at] != 0)
     evict = jnp.where(evicting, host_first + old.keys.reshape(-1)[at].astype(jnp.int32), -1)
-    load = jnp.where(is_fresh, host_first + table.keys.reshape(-1)[at].astype(jnp.int32), -1)
-    new_cache, new_host = exchange_rows(
-        jax.lax.stop_gradient(buffers(cache)), buffers(state.rows), jnp.where(is_fresh, fresh, -1), evict, load,
-        cache_num_rows=sum(cache.layout.rows), host_num_rows=sum(state.rows.layout.rows))
-    index = state.index
-    var.set_value(CacheState(
-        IndexState(table, index.inserted + info.inserted, index.evicted + info.evicted,
-                   index.failed + info.failed, index.unknown),
-        with_buffers(state.rows, new_host)))
-    return slots, _through(cache, with_buffers(cache, new_cache))
+    load = jnp.where(is_fresh, host_first + new.keys.reshape(-1)[at].astype(jnp.int32), -1)
+    return jnp.where(is_fresh, fresh, -1), evict, load
 
 
 @jax.custom_vjp
-def _through(tables: FusedEmbeddingTables, exchanged: FusedEmbeddingTables) -> FusedEmbeddingTables:
+def _through(tables: FusedEmbeddingTables, exchanged: FusedEmbeddingTables, in_flight) -> FusedEmbeddingTables:
     """``exchanged``, whose backward hands the cotangent (the fused update's new tables)
-    to ``tables``: the step's updated cache is the exchanged one, updated."""
+    to ``tables``: the step's updated cache is the exchanged one, updated. With rows
+    copied in the background (``in_flight``), the new tables are handed on once the
+    copies are done: whatever runs after the step sees them."""
     return exchanged
 
 
-def _through_forward(tables, exchanged):
-    return exchanged, None
+def _through_forward(tables, exchanged, in_flight):
+    return exchanged, in_flight
 
 
-def _through_backward(_, cotangent):
-    return cotangent, jax.tree.map(_zero_cotangent, cotangent)
+def _through_backward(in_flight, cotangent):
+    weights, *rest = buffers(cotangent)
+    done = with_buffers(cotangent, [wait_copies(weights, in_flight), *rest])
+    return done, jax.tree.map(_zero_cotangent, cotangent), jax.tree.map(_zero_cotangent, in_flight)
 
 
 def _zero_cotangent(x):
-    return np.zeros(x.shape, jax.dtypes.float0) if x.dtype == jax.dtypes.float0 else jnp.zeros_like(x)
+    if x.dtype == jax.dtypes.float0 or not jnp.issubdtype(x.dtype, jnp.inexact):
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jnp.zeros_like(x)
 
 
 _through.defvjp(_through_forward, _through_backward)

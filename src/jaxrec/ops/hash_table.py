@@ -189,13 +189,15 @@ def _find(keys, digests, ids, table_of, *, ranges, backend):
 
 def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru",
                    valid: jax.Array | None = None, table_of: jax.Array | None = None, ranges=None,
-                   backend: str = "auto") -> tuple[jax.Array, HashTable, InsertInfo]:
+                   keep_seen: bool = False, backend: str = "auto") -> tuple[jax.Array, HashTable, InsertInfo]:
     """``(slots, table, info)``: every id's slot, inserting new ids (module doc).
 
     ``step``: the training step (LRU's score). ``valid``: ``bool[N]``, False for entries
     that are not ids (a KJT's padding): they get slot -1 and change nothing. ``table_of``,
-    ``ranges``: as for ``find``. backend: "auto", "kernel" or "reference"
-    (``jaxrec._ffi.dispatch``).
+    ``ranges``: as for ``find``. ``keep_seen``: the slots an earlier call of this ``step``
+    saw are not evicted either, as if their ids were in this batch (the rows of a batch in
+    flight, while a prefetch places the next one's). backend: "auto", "kernel" or
+    "reference" (``jaxrec._ffi.dispatch``).
     """
     if policy not in POLICIES:
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
@@ -204,17 +206,19 @@ def find_or_insert(table: HashTable, ids: jax.Array, step, *, policy: str = "lru
     table_of = _table_of(ids, table_of, len(ranges))
     valid = jnp.ones(ids.shape, bool) if valid is None else jnp.asarray(valid, bool)
     return _find_or_insert(table, ids, jnp.asarray(step, jnp.int32), valid, table_of, policy=policy,
-                           ranges=ranges, backend=backend)
+                           ranges=ranges, keep_seen=bool(keep_seen), backend=backend)
 
 
-@functools.partial(jax.jit, static_argnames=("policy", "ranges", "backend"))
-def _find_or_insert(table, ids, step, valid, table_of, *, policy, ranges, backend):
+@functools.partial(jax.jit, static_argnames=("policy", "ranges", "keep_seen", "backend"))
+def _find_or_insert(table, ids, step, valid, table_of, *, policy, ranges, keep_seen, backend):
     # The CPU handler and the reference place runs that XLA sorts and groups
     # (_insert_by_runs); the CUDA handler does it all in one call (csrc/cuda/hash_table.cu).
     bounds = jnp.asarray(ranges, jnp.int32).reshape(-1, 3)
-    kernels = {"cpu": functools.partial(_insert_by_runs, insert=functools.partial(_insert_runs_cpu, policy=policy)),
-               "cuda": functools.partial(_insert_cuda, policy=policy)}
-    by_reference = functools.partial(_insert_by_runs, insert=lambda *args: reference.insert_runs(*args, policy))
+    options = dict(policy=policy, keep_seen=keep_seen)
+    kernels = {"cpu": functools.partial(_insert_by_runs, insert=functools.partial(_insert_runs_cpu, **options)),
+               "cuda": functools.partial(_insert_cuda, **options)}
+    by_reference = functools.partial(_insert_by_runs,
+                                     insert=lambda *args: reference.insert_runs(*args, **options))
     return _ffi.dispatch(kernels, by_reference, table, ids, step, valid, table_of, bounds, backend=backend)
 
 
@@ -251,17 +255,17 @@ def _insert_by_runs(table, ids, step, valid, table_of, bounds, *, insert):
     return slots, HashTable(*state), info
 
 
-def _insert_runs_cpu(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds, *, policy):
+def _insert_runs_cpu(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds, *, policy, keep_seen):
     n = run_ids.shape[0]
     like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (keys, digests, scores, seen)]
     call = jax.ffi.ffi_call(
         "jaxrec_hash_insert", (*like, jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32)),
         input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3}, vmap_method="sequential")
     return call(keys, digests, scores, seen, run_ids, run_tables, counts, step, bounds,
-                policy=np.int32(POLICIES.index(policy)))
+                policy=np.int32(POLICIES.index(policy)), keep_seen=np.int32(keep_seen))
 
 
-def _insert_cuda(table, ids, step, valid, table_of, bounds, *, policy):
+def _insert_cuda(table, ids, step, valid, table_of, bounds, *, policy, keep_seen):
     n, count = ids.shape[0], bounds.shape[0]
     like = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in table]
     call = jax.ffi.ffi_call(
@@ -270,7 +274,7 @@ def _insert_cuda(table, ids, step, valid, table_of, bounds, *, policy):
          jax.ShapeDtypeStruct((3, count), jnp.int32)),
         input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3}, vmap_method="sequential")
     *state, slots, fresh, counts = call(*table, ids, valid, table_of, step, bounds,
-                                        policy=np.int32(POLICIES.index(policy)))
+                                        policy=np.int32(POLICIES.index(policy)), keep_seen=np.int32(keep_seen))
     return slots, HashTable(*state), InsertInfo(fresh, counts[0], counts[1], counts[2])
 
 

@@ -82,13 +82,15 @@ def find(keys, digests, ids, ranges, table_of) -> jax.Array:
     return jnp.where(found, slot, -1)
 
 
-def insert_runs(keys, digests, scores, seen, run_ids, run_tables, counts, step, ranges, policy: str):
+def insert_runs(keys, digests, scores, seen, run_ids, run_tables, counts, step, ranges, policy: str,
+                keep_seen: bool = False):
     """``(keys, digests, scores, seen, run_slots, status)``: the table's new state and
     where each run went. Places a batch's distinct ids (``hash_table``'s
     module doc). ``run_ids[r]`` (of range ``run_tables[r]``) is an id of the batch where
     ``counts[r] > 0`` (how often it occurs), distinct and in (range, hash) order; entries
     with count 0 are not ids. ``status``:
-    ``NOT_AN_ID`` / ``FOUND`` / ``INSERTED`` / ``INSERTED_EVICTING`` / ``FAILED``."""
+    ``NOT_AN_ID`` / ``FOUND`` / ``INSERTED`` / ``INSERTED_EVICTING`` / ``FAILED``.
+    ``keep_seen``: slots seen at ``step`` by an earlier call are in use too."""
     n = run_ids.shape[0]
     shape = num_buckets, size = keys.shape
     capacity = keys.size
@@ -114,7 +116,8 @@ def insert_runs(keys, digests, scores, seen, run_ids, run_tables, counts, step, 
     # slots no id of the batch uses, by (score, position); slots in use come last, never taken.
     cells = bucket[:, None] * size + jnp.arange(size, dtype=jnp.int32)[None, :]
     empty = ~flat_used[cells]
-    evictable = flat_used[cells] & ~hit[cells] & (policy != "none")
+    in_use = hit[cells] | (keep_seen & (seen.reshape(-1)[cells] == step))
+    evictable = flat_used[cells] & ~in_use & (policy != "none")
     cls = jnp.where(empty, 0, jnp.where(evictable, 1, 2))
     score = jnp.where(evictable, flat_scores[cells], 0)
     ranked = jnp.take_along_axis(cells, jnp.lexsort((cells, score, cls), axis=-1), axis=-1)

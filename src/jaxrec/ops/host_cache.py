@@ -14,6 +14,12 @@ place: two ``copy_rows`` per pair, the write-backs first, each in the order of t
 rows (``by_host_row``). The entries must name distinct cache rows and distinct host rows;
 rows outside a buffer are skipped.
 
+``start_exchange`` runs the same copies in the background (a prefetch): on the GPU on a
+stream of their own, so that they overlap what the computation does next, until
+``wait_copies`` makes the computation wait for them. XLA does not know of that stream, so
+the caller promises that nothing reads or writes the exchanged rows before the wait, and
+passes the copies' row lists (``in_flight``) to the wait, which keeps them alive until then.
+
 The host buffers are only ever touched by the handlers, never by a jnp operation: XLA
 cannot run device operations on host memory, and JAX refuses a gather that mixes memory
 spaces. So a buffer in host memory needs the compiled handlers, called without the
@@ -80,11 +86,13 @@ def to_host_memory(x: jax.Array) -> jax.Array:
 
 
 def copy_rows(dst: jax.Array, dst_rows: jax.Array, src: jax.Array, src_rows: jax.Array, *, dst_num_rows: int,
-              src_num_rows: int, backend: str = "auto") -> jax.Array:
+              src_num_rows: int, backend: str = "auto", background: bool = False) -> jax.Array:
     """``dst`` with ``dst[dst_rows[i]] = src[src_rows[i]]`` for every ``i`` whose two rows
     lie in their buffers: flat buffers of ``dst_num_rows`` and ``src_num_rows`` rows of one
     width and dtype; ``dst_rows`` (distinct where in range), ``src_rows``: ``int32[N]``.
-    Donate ``dst`` to update it in place. backend: as ``jaxrec._ffi.dispatch``."""
+    Donate ``dst`` to update it in place. backend: as ``jaxrec._ffi.dispatch``.
+    ``background``: a copy touching host memory runs in the background until
+    ``wait_copies`` (module doc); others run in place."""
     dst_rows, src_rows = jnp.asarray(dst_rows, jnp.int32), jnp.asarray(src_rows, jnp.int32)
     if dst_rows.ndim != 1 or dst_rows.shape != src_rows.shape:
         raise ValueError(f"dst_rows and src_rows must be 1-D and alike, got shapes {list(dst_rows.shape)} and "
@@ -108,25 +116,40 @@ def copy_rows(dst: jax.Array, dst_rows: jax.Array, src: jax.Array, src_rows: jax
     if backend == "reference":
         raise ValueError("copy_rows' reference takes buffers in device memory only")
     return _copy_with_host_memory(dst_rows, src_rows, src, dst, src_num_rows=src_num_rows,
-                                  dst_num_rows=dst_num_rows)
+                                  dst_num_rows=dst_num_rows, background=background)
 
 
-@functools.partial(jax.jit, static_argnames=("src_num_rows", "dst_num_rows"))
-def _copy_with_host_memory(dst_rows, src_rows, src, dst, *, src_num_rows: int, dst_num_rows: int):
+@functools.partial(jax.jit, static_argnames=("src_num_rows", "dst_num_rows", "background"))
+def _copy_with_host_memory(dst_rows, src_rows, src, dst, *, src_num_rows: int, dst_num_rows: int,
+                           background: bool = False):
     """The handler on buffers of which one or both live in host memory, the result marked as
     host memory where ``dst`` is: inside a jit always (an eager call of the handler alone
     would return a host buffer unmarked, which XLA refuses: E1200). Inside a caller's jit
     this jit is inlined, and a donated ``dst`` is updated in place."""
-    out = _ffi.call_kernel(functools.partial(_handler, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows),
+    out = _ffi.call_kernel(functools.partial(_handler, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows,
+                                             background=background),
                            dst_rows, src_rows, src, dst)
     return to_host_memory(out) if in_host_memory(dst) else out
 
 
-def _handler(dst_rows, src_rows, src, dst, *, src_num_rows: int, dst_num_rows: int):
-    """The ``jaxrec_copy_rows`` target, its result aliased to ``dst``."""
-    call = jax.ffi.ffi_call("jaxrec_copy_rows", jax.ShapeDtypeStruct(dst.shape, dst.dtype),
-                            input_output_aliases={3: 0})
+def _handler(dst_rows, src_rows, src, dst, *, src_num_rows: int, dst_num_rows: int, background: bool = False):
+    """The ``jaxrec_copy_rows`` target (``jaxrec_copy_rows_async`` in the background), its
+    result aliased to ``dst``."""
+    target = "jaxrec_copy_rows_async" if background else "jaxrec_copy_rows"
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(dst.shape, dst.dtype), input_output_aliases={3: 0})
     return call(dst_rows, src_rows, src, dst, src_num_rows=src_num_rows, dst_num_rows=dst_num_rows)
+
+
+def wait_copies(x: jax.Array, in_flight: Sequence[jax.Array]) -> jax.Array:
+    """``x``, once the background copies issued before have finished (``start_exchange``):
+    what the computation then does with ``x`` runs after them. ``in_flight``: the arrays
+    the copies read (``start_exchange``'s), kept alive until now; empty when nothing ran
+    in the background (``x`` is returned as it is)."""
+    if not in_flight:
+        return x
+    call = jax.ffi.ffi_call("jaxrec_wait_copies", jax.ShapeDtypeStruct(x.shape, x.dtype),
+                            input_output_aliases={0: 0})
+    return _ffi.call_kernel(call, x, *in_flight)
 
 
 def by_host_row(host_rows: jax.Array, other_rows: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -147,6 +170,23 @@ def exchange_rows(cache: Sequence[jax.Array], host: Sequence[jax.Array], cache_r
     buffers of ``cache_num_rows`` and ``host_num_rows`` rows of one dtype and width;
     ``cache_rows``, ``evict_rows``, ``load_rows``: ``int32[N]``. Donate the buffers to
     update them in place."""
+    cache, host, _ = _exchange(cache, host, cache_rows, evict_rows, load_rows, cache_num_rows=cache_num_rows,
+                               host_num_rows=host_num_rows, backend=backend, background=False)
+    return cache, host
+
+
+def start_exchange(cache: Sequence[jax.Array], host: Sequence[jax.Array], cache_rows: jax.Array,
+                   evict_rows: jax.Array, load_rows: jax.Array, *, cache_num_rows: int,
+                   host_num_rows: int) -> tuple[list[jax.Array], list[jax.Array], tuple[jax.Array, ...]]:
+    """``exchange_rows`` in the background: ``(cache, host, in_flight)``; the exchange is
+    done once ``wait_copies(x, in_flight)`` has returned ``x``. Until then nothing may read
+    or write the exchanged rows of ``cache`` or ``host`` (the rest of them may be used)."""
+    return _exchange(cache, host, cache_rows, evict_rows, load_rows, cache_num_rows=cache_num_rows,
+                     host_num_rows=host_num_rows, backend="auto", background=True)
+
+
+def _exchange(cache, host, cache_rows, evict_rows, load_rows, *, cache_num_rows: int, host_num_rows: int,
+              backend: str, background: bool):
     if not cache or len(cache) != len(host):
         raise ValueError(f"cache and host must be lists of the same (positive) length, got {len(cache)} "
                          f"and {len(host)} buffers")
@@ -157,9 +197,10 @@ def exchange_rows(cache: Sequence[jax.Array], host: Sequence[jax.Array], cache_r
     new_cache, new_host = [], []
     for c, h in zip(cache, host):
         h = copy_rows(h, write_back, c, written, dst_num_rows=host_num_rows, src_num_rows=cache_num_rows,
-                      backend=backend)
+                      backend=backend, background=background)
         c = copy_rows(c, load_into, h, load_rows, dst_num_rows=cache_num_rows, src_num_rows=host_num_rows,
-                      backend=backend)
+                      backend=backend, background=background)
         new_cache.append(c)
         new_host.append(h)
-    return new_cache, new_host
+    in_background = background and any(map(in_host_memory, host))
+    return new_cache, new_host, (write_back, written, load_rows, load_into) if in_background else ()
