@@ -20,7 +20,9 @@ each timed in this one process with the same dense part and dense optimizer (Ada
                   (``placement="host_cached"``, docs/host_memory.md); its run reports the
                   cache's hit rate over the timed steps (give it fresh batches:
                   ``--batches 64``). A smaller table's 10% holds fewer rows than a batch of
-                  65536 looks up in it, which the cache refuses;
+                  65536 looks up in it, which the cache refuses. As ``..._prefetch``, each
+                  step also prefetches the next batch's rows (``train_step(...,
+                  prefetch=next_batch.sparse)``), copied in the background;
 - jaxrec, fused, host: the same tables in host memory with no cache
                   (``placement="host"``): each step reads its distinct rows over PCIe and
                   writes them back;
@@ -223,33 +225,41 @@ BF16_DENSE = "_bf16_dense"  # the MLPs, interaction and cross net computed in bf
 DYNAMIC = "_dynamic"  # every table a dynamic vocabulary
 HOST_CACHED = "_host_cached"  # every large table in host memory, a 10% cache on the device
 HOST = "_host"  # every large table in host memory, no cache
+PREFETCH = "_prefetch"  # host-cached, each step prefetching the next batch's rows
 LARGE, CACHED = 1_000_000, {"placement": "host_cached", "cache_load_factor": 0.1}
 
 
 def time_variant(variant, keys, sizes, batches, iters, dtype, mesh=None, ids_per_bag=None):
     guarded = not variant.endswith(UNGUARDED)
     base = variant.removesuffix(UNGUARDED)
+    prefetch = base.endswith(PREFETCH)
+    base = base.removesuffix(PREFETCH)
     dense_dtype = jnp.bfloat16 if base.endswith(BF16_DENSE) else None
     base = base.removesuffix(BF16_DENSE)
     if mesh is None:
         model, optimizer = build(base, keys, sizes, batches[0].batch_size, dtype, dense_dtype)
     else:
         model, optimizer = build_sharded(base, keys, sizes, dtype, mesh, dense_dtype)
-    step = make_train_step(bce, on_nonfinite="raise" if guarded else "ignore")
+    train_step = make_train_step(bce, on_nonfinite="raise" if guarded else "ignore")
+
+    def step(model, optimizer, i):  # batch i, prefetching batch i + 1
+        upcoming = {"prefetch": batches[(i + 1) % len(batches)].sparse} if prefetch else {}
+        return train_step(model, optimizer, batches[i % len(batches)], **upcoming)
+
     start = time.perf_counter()
-    jax.block_until_ready(step(model, optimizer, batches[0]))
+    jax.block_until_ready(step(model, optimizer, 0))
     compile_s = time.perf_counter() - start
     for i in range(3):
-        jax.block_until_ready(step(model, optimizer, batches[i % len(batches)]))
+        jax.block_until_ready(step(model, optimizer, i))
     cached = base.endswith(HOST_CACHED)
     before = _cache_counts(model) if cached else None
     times = []
     for _ in range(3):
         start = time.perf_counter()
         for i in range(iters):
-            loss = step(model, optimizer, batches[i % len(batches)])
+            loss = step(model, optimizer, i)
         float(loss)
-        step.check()
+        train_step.check()
         times.append((time.perf_counter() - start) / iters)
     step_s = statistics.median(times)
     model_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))  # fused slots included

@@ -34,6 +34,7 @@ def test_find_or_insert_equals_the_dict_model(platform, backend, policy, prefetc
     keeping = jax.jit(functools.partial(ht.find_or_insert, policy=policy, backend=backend, keep_seen=True))
     universe = np.concatenate([rng.integers(-2**31, 2**31, 40), np.arange(-3, 27)]).astype(np.int32)
     totals = np.zeros(3, int)
+    in_flight = {}  # the slots of the call before: {id: slot}
     for call in range(80 if prefetch else 40):
         step, keep = (call // 2, call % 2 == 1) if prefetch else (call, False)
         hot = universe[: 8 + step]  # repeats of old ids, and new ones arriving

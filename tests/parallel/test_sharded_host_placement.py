@@ -121,6 +121,10 @@ def test_sharded_host_cached_training_equals_unsharded_training():
     cached = [g for g in ebc.layout.groups if g.placement == "host_cached"]
     assert cached and all(g.cache_rows == 128 for g in cached) and len(ebc.caches) == len(cached)
     train_side_by_side(reference, model, weighted=False)
+    batch = par.shard_batch(random_batch(0, weighted=False), mesh())
+    with pytest.raises(NotImplementedError, match="prefetch= is built for unsharded collections only"):
+        make_train_step(lambda m, b: squared_error(m, b, B))(
+            model, nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), batch, prefetch=batch.sparse)
     stats = ebc.cache_statistics()
     assert stats and all(int(s["inserted"]) > 0 for s in stats.values())
     assert all(in_host_memory(c.get_value().rows.weights) for c in ebc.caches)
