@@ -30,6 +30,14 @@ row and state for as long as the id is cached, and the host row is current other
   and looks up nothing, so no id ever reaches a host row outside its table.
 * **Step counter.** The cache's fused tables count the updates (Adam's bias correction,
   LRU's score); the host copy's ``step`` is not used.
+
+Prefetch (``prefetching``; a train step's ``prefetch=``): after its own batch, a lookup
+places the next batch's ids with a second ``find_or_insert(..., keep_seen=True)``, which
+evicts no row seen at this step (the batch in flight's), and exchanges their rows in the
+background (``start_exchange``): the copies touch only rows the step does not use. The
+fused update's new cache waits for them (``_through``'s backward, ``wait_copies``). A
+prefetched id left without a row fails nothing: its own step caches it. Measured on the
+H100's DLRM, prefetch made the step slower (docs/host_memory.md, "Prefetch").
 """
 
 from __future__ import annotations

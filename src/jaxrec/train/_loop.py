@@ -198,13 +198,9 @@ class _Run:
             mesh = _processes.mesh()
             batches = (_processes.place(b, mesh) for b in batches)
         # Placed batches are global arrays already (device=False: no device_put of its own).
-        # Host-cached tables prefetch the next batch's rows during each step (the last
-        # batch's own: the same compiled step).
-        prefetching = self.plan is None and _has_host_cached_tables(self.model)
         with Prefetcher(batches, buffer_size=4, device=False if self.plan else None) as stream:
-            for batch, upcoming in _with_next(stream):
-                prefetch = {"prefetch": upcoming.sparse} if prefetching else {}
-                losses.append(self.train_step(self.model, self.optimizer, batch, **prefetch))
+            for batch in stream:
+                losses.append(self.train_step(self.model, self.optimizer, batch))
                 self.step += 1
                 step = self.step
                 if step % _LOG_EVERY == 0 or step == total:
@@ -595,19 +591,3 @@ def _host_copy(x):
     if isinstance(x, jax.Array) and in_host_memory(x):
         return jax.device_put(x, x.sharding, may_alias=False)
     return np.array(x)
-
-
-def _with_next(batches):
-    """Each batch with the one after it (the last with itself)."""
-    batches = iter(batches)
-    batch = next(batches, None)
-    for upcoming in batches:
-        yield batch, upcoming
-        batch = upcoming
-    if batch is not None:
-        yield batch, batch
-
-
-def _has_host_cached_tables(model) -> bool:
-    return any(isinstance(m, EmbeddingBagCollection) and any(g.host_cached for g in m.groups)
-               for _, m in nnx.iter_modules(model))
