@@ -60,8 +60,8 @@ struct Table {
 // Places runs [begin, end), the runs of bucket `bucket`.
 template <typename I>
 void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, const int32_t* counts,
-                 int64_t begin, int64_t end, int32_t step, int32_t policy, int32_t keep_seen, int32_t* run_slots,
-                 int32_t* status) {
+                 int64_t begin, int64_t end, int32_t step, int32_t policy, int32_t keep_seen,
+                 int32_t* run_slots, int32_t* status) {
   const int64_t first = bucket * t.size;
   I* k = keys + first;
   uint8_t* d = t.digests + first;
@@ -110,8 +110,8 @@ void PlaceBucket(const Table& t, I* keys, int64_t bucket, const I* run_ids, cons
 
 template <typename I>
 void Insert(ffi::ThreadPool& pool, const Table& t, I* keys, const I* run_ids, const int32_t* run_tables,
-            const int32_t* counts, int64_t n, int32_t step, int32_t policy, int32_t keep_seen, int32_t* run_slots,
-            int32_t* status) {
+            const int32_t* counts, int64_t n, int32_t step, int32_t policy, int32_t keep_seen,
+            int32_t* run_slots, int32_t* status) {
   auto bucket = [&](int64_t r) { return t.ranges.Of(Hash(run_ids[r]), run_tables[r]); };
   // An item places the buckets whose first run lies in its share of the runs.
   ParallelFor(pool, (n + kIdsPerItem - 1) / kIdsPerItem, [&](int64_t item) {

@@ -450,8 +450,8 @@ struct Work {
 template <typename I>
 ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, const Table& t, I* keys,
                         const I* ids, const bool* valid, const int32_t* table_of, int64_t n, int64_t capacity,
-                        const int32_t* step, int32_t policy, int32_t keep_seen, int32_t* slots, int32_t* fresh,
-                        int32_t* counts) {
+                        const int32_t* step, int32_t policy, int32_t keep_seen, int32_t* slots,
+                        int32_t* fresh, int32_t* counts) {
   constexpr const char* kOp = "jaxrec_hash_find_or_insert";
   using H = decltype(Hash(I{}));
   const int32_t num_ranges = t.ranges.count;
@@ -521,7 +521,8 @@ ffi::Error HashFindOrInsertCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
                                 ffi::Result<ffi::AnyBuffer> digests, ffi::Result<ffi::AnyBuffer> scores,
                                 ffi::Result<ffi::AnyBuffer> seen, ffi::Result<ffi::Buffer<ffi::S32>> slots,
                                 ffi::Result<ffi::Buffer<ffi::S32>> fresh,
-                                ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t policy, int32_t keep_seen) {
+                                ffi::Result<ffi::Buffer<ffi::S32>> counts, int32_t policy,
+                                int32_t keep_seen) {
   constexpr const char* kOp = "jaxrec_hash_find_or_insert";
   if (ffi::Error e = CheckTable(kOp, keys_in, digests_in, &scores_in, &seen_in, ids, table_of, bounds);
       e.failure())
@@ -551,8 +552,8 @@ ffi::Error HashFindOrInsertCuda(cudaStream_t stream, ffi::ScratchAllocator scrat
     using I = decltype(zero);
     return FindOrInsert<I>(stream, scratch, t, keys->typed_data<I>(), ids.typed_data<I>(),
                            valid.typed_data<bool>(), table_of.typed_data<int32_t>(), n, dims[0] * dims[1],
-                           step.typed_data<int32_t>(), policy, keep_seen, slots->typed_data(), fresh->typed_data(),
-                           counts->typed_data());
+                           step.typed_data<int32_t>(), policy, keep_seen, slots->typed_data(),
+                           fresh->typed_data(), counts->typed_data());
   });
 }
 
