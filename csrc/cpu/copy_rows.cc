@@ -1,6 +1,6 @@
 // Row copies between buffers on the CPU (csrc/common/copy_rows.h). The CPU has no second
-// stream: a background copy (jaxrec_copy_rows_async) is done when it returns, and
-// jaxrec_wait_copies has nothing to wait for.
+// stream: a background copy (jaxrec_copy_rows_async) is this handler, done when it
+// returns, and jaxrec_wait_copies has nothing to wait for.
 #include "common/copy_rows.h"
 
 #include <cstring>
@@ -35,16 +35,6 @@ ffi::Error WaitCopiesCpu(ffi::AnyBuffer x, ffi::RemainingArgs, ffi::Result<ffi::
 }  // namespace jaxrec::cpu
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsCpu, jaxrec::cpu::CopyRowsCpu,
-                              xla::ffi::Ffi::Bind()
-                                  .Arg<xla::ffi::AnyBuffer>()  // dst_rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // src_rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // src
-                                  .Arg<xla::ffi::AnyBuffer>()  // dst
-                                  .Ret<xla::ffi::AnyBuffer>()  // dst, updated
-                                  .Attr<int64_t>("src_num_rows")
-                                  .Attr<int64_t>("dst_num_rows"));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsAsyncCpu, jaxrec::cpu::CopyRowsCpu,
                               xla::ffi::Ffi::Bind()
                                   .Arg<xla::ffi::AnyBuffer>()  // dst_rows
                                   .Arg<xla::ffi::AnyBuffer>()  // src_rows

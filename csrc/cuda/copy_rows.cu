@@ -48,7 +48,7 @@ bool Aligned(const RowCopy& c, int64_t bytes) {
          reinterpret_cast<uintptr_t>(c.dst) % bytes == 0;
 }
 
-// Launches the copy on ``stream``; XLA copied dst first where it could not alias it.
+// Launches the copy on ``stream``.
 ffi::Error LaunchCopy(cudaStream_t stream, const RowCopy& c, int64_t src_num_rows, int64_t dst_num_rows) {
   if (c.n > 0) {
     if (Aligned(c, 16)) {
@@ -65,16 +65,27 @@ ffi::Error LaunchCopy(cudaStream_t stream, const RowCopy& c, int64_t src_num_row
   return ffi::Error::Success();
 }
 
+// The checked copy of the operands; XLA's copy of dst made first where it could not alias it.
+ffi::Error Prepare(cudaStream_t stream, ffi::AnyBuffer dst_rows, ffi::AnyBuffer src_rows, ffi::AnyBuffer src,
+                   ffi::AnyBuffer dst, ffi::Result<ffi::AnyBuffer> out, int64_t src_num_rows,
+                   int64_t dst_num_rows, RowCopy* c) {
+  if (auto error = CheckCopyRows(dst_rows, src_rows, src, dst, out, src_num_rows, dst_num_rows, c);
+      error.failure()) {
+    return error;
+  }
+  if (c->dst != c->dst_in) {  // not aliased: XLA copied
+    cudaMemcpyAsync(c->dst, c->dst_in, c->row_bytes * dst_num_rows, cudaMemcpyDefault, stream);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error CopyRowsCuda(cudaStream_t stream, ffi::AnyBuffer dst_rows, ffi::AnyBuffer src_rows,
                         ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::Result<ffi::AnyBuffer> out,
                         int64_t src_num_rows, int64_t dst_num_rows) {
   RowCopy c;
-  if (auto error = CheckCopyRows(dst_rows, src_rows, src, dst, out, src_num_rows, dst_num_rows, &c);
+  if (auto error = Prepare(stream, dst_rows, src_rows, src, dst, out, src_num_rows, dst_num_rows, &c);
       error.failure()) {
     return error;
-  }
-  if (c.dst != c.dst_in) {  // not aliased: XLA copied
-    cudaMemcpyAsync(c.dst, c.dst_in, c.row_bytes * dst_num_rows, cudaMemcpyDefault, stream);
   }
   return LaunchCopy(stream, c, src_num_rows, dst_num_rows);
 }
@@ -121,13 +132,10 @@ ffi::Error BackgroundOf(cudaStream_t stream, Background** out) {
 ffi::Error CopyRowsAsyncCuda(cudaStream_t stream, ffi::AnyBuffer dst_rows, ffi::AnyBuffer src_rows,
                              ffi::AnyBuffer src, ffi::AnyBuffer dst, ffi::Result<ffi::AnyBuffer> out,
                              int64_t src_num_rows, int64_t dst_num_rows) {
-  RowCopy c;
-  if (auto error = CheckCopyRows(dst_rows, src_rows, src, dst, out, src_num_rows, dst_num_rows, &c);
+  RowCopy c;  // XLA's copy of dst, if any, is on its stream: before the copy below
+  if (auto error = Prepare(stream, dst_rows, src_rows, src, dst, out, src_num_rows, dst_num_rows, &c);
       error.failure()) {
     return error;
-  }
-  if (c.dst != c.dst_in) {  // not aliased: XLA copied (on its stream, before the copy below)
-    cudaMemcpyAsync(c.dst, c.dst_in, c.row_bytes * dst_num_rows, cudaMemcpyDefault, stream);
   }
   std::lock_guard<std::mutex> lock(background_mutex);
   Background* b = nullptr;

@@ -37,7 +37,7 @@ TARGETS = {
         "jaxrec_hash_find": "JaxrecHashFindCpu",
         "jaxrec_hash_insert": "JaxrecHashInsertCpu",
         "jaxrec_copy_rows": "JaxrecCopyRowsCpu",
-        "jaxrec_copy_rows_async": "JaxrecCopyRowsAsyncCpu",
+        "jaxrec_copy_rows_async": "JaxrecCopyRowsCpu",  # the CPU copies in place
         "jaxrec_wait_copies": "JaxrecWaitCopiesCpu",
     },
     "cuda": {

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
+from host_memory_testing import assert_same_tables, trainer
 
-from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig, make_train_step
+from jaxrec.nn import EmbeddingBagCollection, EmbeddingBagConfig
 from jaxrec.optim import SGD, Adam, RowWiseAdagrad
 from jaxrec.sparse import KeyedJaggedTensor
 
@@ -34,9 +34,6 @@ class Model(nnx.Module):
         return jnp.sum(jnp.tanh(self.ebc(kjt).values()), axis=1)
 
 
-def loss_fn(model, features, target):
-    return jnp.mean((model(features) - target) ** 2)
-
 
 def batch(rng, lengths=None):
     """0-4 ids a bag (empty bags too), repeats; or ``lengths`` ids a bag."""
@@ -47,20 +44,6 @@ def batch(rng, lengths=None):
     return features, jnp.asarray(rng.normal(size=B), jnp.float32)
 
 
-def trainer(model):
-    return make_train_step(loss_fn), nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-
-def assert_same_tables(got, want, exact: bool):
-    check = np.testing.assert_array_equal if exact else (
-        lambda a, b, err_msg="": np.testing.assert_allclose(a, b, rtol=0, atol=1e-6, err_msg=err_msg))
-    w_got, w_want = got.ebc.split_embedding_weights(), want.ebc.split_embedding_weights()
-    for name in w_want:
-        check(np.asarray(w_got[name]), np.asarray(w_want[name]), err_msg=name)
-    s_got, s_want = got.ebc.split_optimizer_states(), want.ebc.split_optimizer_states()
-    for name in s_want:
-        for k in s_want[name]:
-            check(np.asarray(s_got[name][k]), np.asarray(s_want[name][k]), err_msg=f"{name} {k}")
 
 
 @pytest.mark.parametrize("optimizer,policy", [(RowWiseAdagrad(learning_rate=0.3), "lru"),
