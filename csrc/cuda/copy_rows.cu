@@ -173,27 +173,22 @@ ffi::Error WaitCopiesCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::RemainingA
 }  // namespace
 }  // namespace jaxrec
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsCuda, jaxrec::CopyRowsCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // dst_rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // src_rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // src
-                                  .Arg<xla::ffi::AnyBuffer>()  // dst
-                                  .Ret<xla::ffi::AnyBuffer>()  // dst, updated
-                                  .Attr<int64_t>("src_num_rows")
-                                  .Attr<int64_t>("dst_num_rows"));
+// The two copies' binding: in place or in the background, the same operands.
+static auto CopyRowsBinding() {
+  return xla::ffi::Ffi::Bind()
+      .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
+      .Arg<xla::ffi::AnyBuffer>()  // dst_rows
+      .Arg<xla::ffi::AnyBuffer>()  // src_rows
+      .Arg<xla::ffi::AnyBuffer>()  // src
+      .Arg<xla::ffi::AnyBuffer>()  // dst
+      .Ret<xla::ffi::AnyBuffer>()  // dst, updated
+      .Attr<int64_t>("src_num_rows")
+      .Attr<int64_t>("dst_num_rows");
+}
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsAsyncCuda, jaxrec::CopyRowsAsyncCuda,
-                              xla::ffi::Ffi::Bind()
-                                  .Ctx<xla::ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<xla::ffi::AnyBuffer>()  // dst_rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // src_rows
-                                  .Arg<xla::ffi::AnyBuffer>()  // src
-                                  .Arg<xla::ffi::AnyBuffer>()  // dst
-                                  .Ret<xla::ffi::AnyBuffer>()  // dst, updated in the background
-                                  .Attr<int64_t>("src_num_rows")
-                                  .Attr<int64_t>("dst_num_rows"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsCuda, jaxrec::CopyRowsCuda, CopyRowsBinding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecCopyRowsAsyncCuda, jaxrec::CopyRowsAsyncCuda, CopyRowsBinding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecWaitCopiesCuda, jaxrec::WaitCopiesCuda,
                               xla::ffi::Ffi::Bind()
