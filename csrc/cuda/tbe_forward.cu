@@ -19,7 +19,10 @@
 // after the lookup (FinishCheckKernel) writes the report, and only when a bag flagged
 // unsorted offsets does more: every bag again with the exact correction
 // (RedoUnsortedBags). So on good input WARNING and IGNORE cost a compare per id and one
-// small launch: no memset, no atomics. (The last block to finish used to write the report,
+// small launch: no memset, no atomics. On Hopper and later that launch is a programmatic
+// dependent one: the lookup's blocks allow it to start once they have all started, and it
+// waits for the lookup to finish (griddepcontrol), so its launch overlaps the lookup's
+// last wave instead of following it. (The last block to finish used to write the report,
 // found by a ticket; its atomic and fence per block cost 7-17% of the forward on an H200
 // at B=4096, against 0-3% without them: docs/bounds_check.md.) FATAL, which waits for its report anyway,
 // then runs FindFirstBad to name the first bad bag or id.
@@ -350,6 +353,7 @@ template <typename W, typename O, typename I, bool kSequence>
 __global__ void __launch_bounds__(kThreads)
     FinishCheckKernel(const W* __restrict__ weights, const I* __restrict__ indices,
                       const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
+  WaitForPrimaryGrid();  // the lookup's tally and output, complete and visible
   const volatile CheckTally* tally = &g_tally;
   const uint32_t flags = tally->flags;
   const int32_t corrections = tally->corrections;
@@ -377,6 +381,7 @@ template <typename W, typename O, typename I, bool kSequence, bool kChecked>
 __global__ void __launch_bounds__(kThreads)
     TbeForwardKernel(const W* __restrict__ weights, const I* __restrict__ indices,
                      const I* __restrict__ offsets, O* __restrict__ out, ForwardArgs args) {
+  if constexpr (kChecked) AllowDependentLaunch();
   LookupBag<W, O, I, kSequence, kChecked>(weights, indices, offsets, out, args);
 }
 
@@ -430,7 +435,12 @@ ffi::Error Launch(cudaStream_t stream, const ffi::AnyBuffer& weights, const ffi:
   }
   if (checked) {  // the report, always written
     auto finish = sequence ? FinishCheckKernel<W, O, I, true> : FinishCheckKernel<W, O, I, false>;
-    finish<<<1, kThreads, 0, stream>>>(w, indices.typed_data<I>(), offsets.typed_data<I>(), o, args);
+    cudaError_t err = LaunchDependent(finish, stream, kThreads, w, indices.typed_data<I>(),
+                                      offsets.typed_data<I>(), o, args);
+    if (err != cudaSuccess) {
+      return ffi::Error::Internal(std::string("jaxrec_tbe_forward report launch: ") +
+                                  cudaGetErrorString(err));
+    }
   }
   if (args.mode == BoundsCheckMode::kFatal) {
     FindFirstBad<I><<<1, kThreads, 0, stream>>>(indices.typed_data<I>(), offsets.typed_data<I>(), args);

@@ -4,6 +4,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -27,6 +28,44 @@ __device__ __forceinline__ __half FromFloat<__half>(float x) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);
+}
+
+// Programmatic dependent launch (compute capability 9.0 and later; elsewhere these do
+// nothing and LaunchDependent launches as usual). The primary kernel lets a dependent one
+// start early; the dependent waits for the primary to complete, its writes visible.
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void WaitForPrimaryGrid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// `kernel` on one block of `threads`, after the work before it on `stream`, allowed to
+// start before that work ends where its code has the wait (its first act must be
+// WaitForPrimaryGrid): code for compute capability 9.0 or later. Code for an older one
+// (e.g. PTX of 8.0 compiled for a newer device) has no wait and launches as usual.
+template <typename... Params, typename... Args>
+cudaError_t LaunchDependent(void (*kernel)(Params...), cudaStream_t stream, int threads, Args... args) {
+  static const bool has_wait = [kernel] {
+    cudaFuncAttributes attributes = {};
+    return cudaFuncGetAttributes(&attributes, kernel) == cudaSuccess && attributes.ptxVersion >= 90;
+  }();
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1);
+  config.blockDim = dim3(threads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  if (has_wait) {
+    config.attrs = attribute;
+    config.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&config, kernel, args...);
 }
 
 // Four consecutive elements; `p` must be aligned to 4 elements.
