@@ -19,6 +19,7 @@ from optim_testing import (
 )
 
 from jaxrec import fused, optim
+from jaxrec.ops import TableLayout
 
 
 @pytest.mark.parametrize("cls", [optim.RowWiseAdagrad, optim.Adam])
@@ -149,6 +150,25 @@ def test_split_optimizer_states_finds_each_row(cls):
                 want[r] = scale * (np.mean(g * g) if got.ndim == 1 else g * g)
         assert got.shape[0] == LAYOUT.rows[t] and want.any()
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_tables_past_2_31_elements_split_out_whole():
+    """A table that starts 2**31 elements or more into the flat buffer splits out whole,
+    weights and optimizer state (an eager slice of a JAX array has int32 bounds)."""
+    layout = TableLayout.from_embedding_specs([(2**24 + 3, 128), (1000, 64)])
+    assert layout.table_offsets[1] >= 2**31
+    tail = np.random.default_rng(5).normal(size=(1000, 64)).astype(jnp.bfloat16)
+    with jax.default_device(jax.devices("cuda")[0]):
+        flat = jnp.concatenate([jnp.full(layout.table_offsets[1], 0.5, jnp.bfloat16), jnp.asarray(tail).ravel()])
+        first, second = layout.split_embedding_weights(flat)
+        assert first.shape == (2**24 + 3, 128) and float(first[-1, -1]) == 0.5
+        del first
+        np.testing.assert_array_equal(np.asarray(second), tail)
+        config = optim.Adagrad()
+        state = optim.init_state(config, layout, jnp.bfloat16)._replace(momentum1=flat)
+        tables = optim.split_optimizer_states(config, layout, state)
+        np.testing.assert_array_equal(np.asarray(tables[1]["momentum1"]), tail)
 
 
 def test_fused_update_rejects_bad_inputs():

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -167,7 +168,8 @@ class TableLayout:
         """Per-table ``[rows, dim]`` views of the flat buffer (FBGEMM's name); a NumPy
         buffer gives NumPy views."""
         _check_weights(self, weights)
-        return [weights[off:off + r * d].reshape(r, d) for off, r, d in zip(self.table_offsets, self.rows, self.dims)]
+        return [flat_slice(weights, off, r * d).reshape(r, d)
+                for off, r, d in zip(self.table_offsets, self.rows, self.dims)]
 
     def merge_embedding_weights(self, tables: Sequence[jax.Array]) -> jax.Array:
         """The flat buffer from per-table ``[rows, dim]`` arrays (inverse of the split)."""
@@ -178,6 +180,21 @@ class TableLayout:
                 raise ValueError(f"table {t} has shape {tuple(table.shape)}, the layout says "
                                  f"{(self.rows[t], self.dims[t])}")
         return jnp.concatenate([jnp.ravel(t) for t in tables])
+
+
+def flat_slice(buffer, start: int, size: int):
+    """``buffer[start:start + size]`` of a flat buffer: a view of a NumPy buffer, a slice
+    compiled with its bounds of a JAX array. (JAX slices an array outside ``jit`` with its
+    bounds as int32 operands, ``x[a:b]`` and ``lax.slice`` alike: past 2**31 elements
+    they overflow, and a table there could not be read.)"""
+    if isinstance(buffer, np.ndarray):
+        return buffer[start:start + size]
+    return _static_slice(buffer, start, size)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _static_slice(buffer, start, size):
+    return jax.lax.slice(buffer, (start,), (start + size,))
 
 
 def init_weights(key: jax.Array, layout: TableLayout, dtype=jnp.float32) -> jax.Array:

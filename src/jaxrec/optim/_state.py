@@ -23,7 +23,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxrec.ops.tbe_layout import TableLayout
+from jaxrec.ops.tbe_layout import TableLayout, flat_slice
 
 
 class NoOptimizerState(NamedTuple):
@@ -140,7 +140,7 @@ def split_optimizer_states(config, layout: TableLayout, state) -> list[dict[str,
         for t, off in enumerate(state_offsets(config, layout, name)):
             rows, dim = layout.rows[t], layout.dims[t]
             size = rows if per_row else rows * dim
-            piece = buf[off:off + size]  # a NumPy state gives NumPy views
+            piece = flat_slice(buf, off, size)  # a NumPy state gives NumPy views
             tables[t][name] = piece if per_row else piece.reshape(rows, dim)
     return tables
 
