@@ -2,9 +2,11 @@
 device-to-device copy ceiling.
 
 Bytes are counted as FBGEMM's benchmark does: forward = out_bytes*B*sum(D) +
-w_bytes*(ids looked up)*D (for fixed bags: w_bytes*B*sum(D)*L). Each timing is the
-median of 5 repeats of `iters` back-to-back calls (asynchronous dispatch keeps the GPU
-busy; the host waits once per repeat), after a warm-up; the requests rotate among 4
+w_bytes*(ids looked up)*D (for fixed bags: w_bytes*B*sum(D)*L). A case's JAX peers run
+in interleaved rounds of `iters` back-to-back calls each (asynchronous dispatch keeps
+the GPU busy; the host waits once per peer and round), the median over the rounds, so
+that the ratios between them do not move with the machine's drift; PyTorch's peer is
+timed after them (median of 5 repeats). Warm-up first; the requests rotate among 4
 pre-generated id sets; L2 (50 MB) is not flushed, the tables are far larger.
 
 Peers: XLA ``jnp.take`` + sum and ``segment_sum`` (fixed bags), a per-table
@@ -28,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec.benchmark._environment import environment, nvidia_driver, optional_import, share_gpu_with_torch
-from jaxrec.benchmark._measure import NUM_ID_SETS, lookup_bytes, timed
+from jaxrec.benchmark._measure import NUM_ID_SETS, interleaved_timed, lookup_bytes, timed
 from jaxrec.benchmark._report import gpu_line, write_json
 from jaxrec.ops import TableLayout, embedding_bag_lookup, init_weights
 
@@ -36,13 +38,24 @@ CRITEO_ROWS = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683
                27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572]
 CASES = ("fbgemm_default", "large", "huge", "jagged", "criteo", "zipf", "bf16", "fp16")
 QUICK_CASES = ("fbgemm_default", "criteo")
-METHOD = ("median of 5 repeats of back-to-back calls after warm-up; requests rotate among 4 "
-          "pre-generated id sets; L2 not flushed; jaxrec: the default bounds_check_mode (WARNING), "
-          "jaxrec_bounds_check_none: NONE")
+ROUNDS = 9  # interleaved rounds of the JAX peers
+METHOD = (f"JAX peers: median of {ROUNDS} interleaved rounds of back-to-back calls; torch: median of 5 "
+          "repeats; after warm-up; requests rotate among 4 pre-generated id sets; L2 not flushed; "
+          "jaxrec: the default bounds_check_mode (WARNING), jaxrec_bounds_check_none: NONE")
 
 
 def jax_time(fn, arg_sets, iters):
     return timed(fn, arg_sets, iters, jax.block_until_ready)
+
+
+def jax_times(peers: dict[str, tuple[Callable, Sequence[tuple]]], iters: int) -> dict[str, float]:
+    """Seconds per call of each ``{name: (fn, arg_sets)}``, in interleaved rounds."""
+    cases = [(lambda args, fn=fn: fn(*args), sets) for fn, sets in peers.values()]
+    for call, sets in cases:  # compile and warm up
+        for args in sets:
+            jax.block_until_ready(call(args))
+    seconds, _ = interleaved_timed(cases, iters, ROUNDS, jax.block_until_ready)
+    return dict(zip(peers, seconds))
 
 
 def torch_time(torch, fn, arg_sets, iters):
@@ -106,10 +119,9 @@ def bench_fixed(rng, cfg, dtype, dist, iters, record, backward, torch):
 
     row = dict(config=cfg["name"], **{k: cfg[k] for k in "TEDBL"}, weights=jnp.dtype(dtype).name,
                ids=dist, bytes=nbytes)
-    times = {"jaxrec": jax_time(lookup, flat_sets, iters),
-             "jaxrec_bounds_check_none": jax_time(lookup_none, flat_sets, iters),
-             "xla_take_sum": jax_time(jax.jit(xla_take_sum), grouped_sets, iters),
-             "xla_segment_sum": jax_time(jax.jit(xla_segment_sum), grouped_sets, iters)}
+    times = jax_times({"jaxrec": (lookup, flat_sets), "jaxrec_bounds_check_none": (lookup_none, flat_sets),
+                       "xla_take_sum": (jax.jit(xla_take_sum), grouped_sets),
+                       "xla_segment_sum": (jax.jit(xla_segment_sum), grouped_sets)}, iters)
     row["max_abs_diff_vs_xla"] = max_abs_diff(lookup(*flat_sets[0]), jax.jit(xla_take_sum)(*grouped_sets[0]))
     if torch is not None:
         tw = torch.from_dlpack(weights).view(t * e, d)
@@ -136,9 +148,8 @@ def bench_fixed(rng, cfg, dtype, dist, iters, record, backward, torch):
         gx_sets = [(weights, jnp.asarray(ids), g) for ids, (_, _, _, g) in zip(id_sets, g_sets)]
         # Both dense gradients at once do not fit beside 16 GB tables: compare the small config only.
         diff = max_abs_diff(bwd(*g_sets[0]), xla_bwd(*gx_sets[0])) if t * e * d < 2**30 else None
-        btimes = {"jaxrec": jax_time(bwd, g_sets, iters),
-                  "jaxrec_bounds_check_none": jax_time(bwd_of("NONE"), g_sets, iters),
-                  "xla_scatter_add": jax_time(xla_bwd, gx_sets, iters)}
+        btimes = jax_times({"jaxrec": (bwd, g_sets), "jaxrec_bounds_check_none": (bwd_of("NONE"), g_sets),
+                            "xla_scatter_add": (xla_bwd, gx_sets)}, iters)
         brow = dict(config=cfg["name"] + "_dense_backward", **{k: cfg[k] for k in "TEDBL"},
                     weights=jnp.dtype(dtype).name, ids=dist, max_abs_diff_vs_xla=diff,
                     bytes=lookup_bytes(b, [d] * t, [b * l] * t) + 4 * t * e * d,
@@ -176,9 +187,8 @@ def bench_jagged(rng, name, rows, dims, b, max_len, iters, record, torch):
         return jnp.concatenate([jax.ops.segment_sum(tb[i], s, num_segments=b)
                                 for tb, i, s in zip(tables, ids, segs)], axis=1)
 
-    times = {"jaxrec": jax_time(lookup, flat_sets, iters),
-             "jaxrec_bounds_check_none": jax_time(lookup_none, flat_sets, iters),
-             "xla_per_table_segment_sum": jax_time(jax.jit(xla_per_table), table_sets, iters)}
+    times = jax_times({"jaxrec": (lookup, flat_sets), "jaxrec_bounds_check_none": (lookup_none, flat_sets),
+                       "xla_per_table_segment_sum": (jax.jit(xla_per_table), table_sets)}, iters)
     diff = max_abs_diff(lookup(*flat_sets[0]), jax.jit(xla_per_table)(*table_sets[0]))
     if torch is not None:
         ttables = [torch.from_dlpack(tb) for tb in tables]
