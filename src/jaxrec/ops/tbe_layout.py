@@ -183,11 +183,11 @@ class TableLayout:
 
 
 def flat_slice(buffer, start: int, size: int):
-    """``buffer[start:start + size]`` of a flat buffer: a view of a NumPy buffer, a slice
-    compiled with its bounds of a JAX array. (JAX slices an array outside ``jit`` with its
-    bounds as int32 operands, ``x[a:b]`` and ``lax.slice`` alike: past 2**31 elements
-    they overflow, and a table there could not be read.)"""
-    if isinstance(buffer, np.ndarray):
+    """``buffer[start:start + size]`` of a flat buffer: a view of a NumPy buffer. JAX slices
+    an array outside ``jit`` with its bounds as int32 operands (``x[a:b]`` and ``lax.slice``
+    alike), which overflow past 2**31 elements: there the slice is compiled with its
+    bounds (one compile per slice, so only there)."""
+    if isinstance(buffer, np.ndarray) or start + size < 2**31:
         return buffer[start:start + size]
     return _static_slice(buffer, start, size)
 
