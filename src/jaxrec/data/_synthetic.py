@@ -266,16 +266,21 @@ class SyntheticClickLog:
         logit = _DENSE_SCALE * (dense.astype(np.float64) @ self._w)
         if num_features == 0:
             return logit
-        pooled = np.zeros((num_features, n, dim + 1))
-        start = 0
-        for j in range(num_features):
-            end = start + int(lengths[j].sum())
-            emb = _hash_uniform(self.seed, j, values[start:end], dim + 1)
-            sums = np.concatenate([np.zeros((1, dim + 1)), np.cumsum(emb, axis=0)])
-            offsets = np.concatenate([[0], np.cumsum(lengths[j])])
-            pooled[j] = (sums[offsets[1:]] - sums[offsets[:-1]]) / math.sqrt(
-                max(self.bag_lengths[j].typical, 1.0))
-            start = end
+        # Every feature's ids at once (feature-major, as `values`): their embeddings, the
+        # sum of each bag (an empty bag sums to 0), scaled by its feature's typical length.
+        keys = np.repeat(_feature_keys(self.seed, num_features), lengths.sum(1))
+        emb = _hash_uniform(keys, values, dim + 1)
+        bag_lengths = lengths.reshape(-1)
+        if (bag_lengths == 1).all():  # one id a bag (the default log): the bags are the ids
+            pooled = emb
+        else:
+            starts = np.concatenate([[0], np.cumsum(bag_lengths)[:-1]])
+            pooled = np.zeros((num_features * n, dim + 1))
+            full = bag_lengths > 0
+            if full.any():
+                pooled[full] = np.add.reduceat(emb, starts[full], axis=0)
+        scale = [1.0 / math.sqrt(max(b.typical, 1.0)) for b in self.bag_lengths]
+        pooled = pooled.reshape(num_features, n, dim + 1) * np.asarray(scale)[:, None, None]
         logit += _FIRST_ORDER_SCALE * pooled[..., dim].sum(0) / math.sqrt(num_features)
         if num_features > 1:
             vecs = pooled[..., :dim]
@@ -319,12 +324,17 @@ def _mix(x: np.ndarray) -> np.ndarray:
     return x ^ (x >> _U64(31))
 
 
-def _hash_uniform(seed: int, feature: int, ids: np.ndarray, dim: int) -> np.ndarray:
+def _feature_keys(seed: int, num_features: int) -> np.ndarray:
+    """The hash key of each feature's teacher embeddings."""
+    features = np.arange(1, num_features + 1, dtype=_U64)
+    return _mix(_mix(np.array([seed], _U64) + _GOLDEN) ^ features * _GOLDEN)
+
+
+def _hash_uniform(keys: np.ndarray, ids: np.ndarray, dim: int) -> np.ndarray:
     """Pseudo-random float64[len(ids), dim], uniform with mean 0 and variance 1, a pure
-    function of ``(seed, feature, id, component)``."""
-    key = _mix(_mix(np.array([seed], _U64) + _GOLDEN) ^ np.array([feature + 1], _U64) * _GOLDEN)
+    function of ``(key, id, component)`` (``keys``: one per id, from ``_feature_keys``)."""
     x = ids.astype(_U64)[:, None] * _U64(dim) + np.arange(dim, dtype=_U64)[None, :]
-    h = _mix(_mix(x + key) + _GOLDEN)
+    h = _mix(_mix(x + keys[:, None]) + _GOLDEN)
     u = (h >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
     return (u - 0.5) * math.sqrt(12.0)
 
