@@ -252,12 +252,13 @@ class SyntheticClickLog:
         raw = np.floor(rng.lognormal(self._mu, self._sigma, (n, self.num_dense)))
         dense = dense_log1p(raw)
         lengths = np.stack([b.sample(rng, n) for b in self.bag_lengths])
-        values = []
-        for j, size in enumerate(self.table_sizes):
-            ranks = _zipf_ranks(rng, size, int(lengths[j].sum()), self.zipf_exponent)
-            a, c = self._scatter[j]
-            values.append((ranks * a + c) % size)
-        values = np.concatenate(values) if values else np.zeros((0,), np.int64)
+        # Every feature's ids in one pass (feature-major): the same draws, in the same order,
+        # as one feature at a time.
+        counts = lengths.sum(1)
+        sizes = np.repeat(np.asarray(self.table_sizes, np.int64), counts)
+        ranks = _zipf_ranks(rng, self.table_sizes, counts, self.zipf_exponent)
+        a, c = (np.repeat(np.asarray(v, np.int64), counts) for v in zip(*self._scatter))
+        values = (ranks * a + c) % sizes
         return dense, values, lengths, self._logits(dense, values, lengths) + self._intercept
 
     def _logits(self, dense: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -290,17 +291,19 @@ class SyntheticClickLog:
         return logit
 
 
-def _zipf_ranks(rng: np.random.Generator, n: int, count: int, s: float) -> np.ndarray:
-    """Ranks in ``[0, n)`` with ``P(r) ~ (r + 1) ** -s`` (continuous inverse CDF on [1, n+1))."""
-    u = rng.random(count)
+def _zipf_ranks(rng: np.random.Generator, sizes: Sequence[int], counts: np.ndarray, s: float) -> np.ndarray:
+    """``counts[j]`` ranks in ``[0, sizes[j])`` for each table j in turn, with ``P(r) ~ (r + 1)
+    ** -s`` (continuous inverse CDF on [1, n+1))."""
+    u = rng.random(int(counts.sum()))
+    n = np.asarray(sizes, np.float64)
     if s == 0:
-        x = 1.0 + u * n
+        x = 1.0 + u * np.repeat(n, counts)
     elif abs(s - 1.0) < 1e-12:
-        x = np.exp(u * math.log(n + 1.0))
+        x = np.exp(u * np.repeat([math.log(size + 1.0) for size in sizes], counts))
     else:
         t = 1.0 - s
-        x = (1.0 + u * ((n + 1.0) ** t - 1.0)) ** (1.0 / t)
-    return np.clip(np.floor(x).astype(np.int64) - 1, 0, n - 1)
+        x = (1.0 + u * np.repeat([(size + 1.0) ** t - 1.0 for size in sizes], counts)) ** (1.0 / t)
+    return np.clip(np.floor(x).astype(np.int64) - 1, 0, np.repeat(np.asarray(sizes, np.int64), counts) - 1)
 
 
 def _coprime_affine(rng: np.random.Generator, n: int) -> tuple[int, int]:
@@ -318,10 +321,14 @@ _GOLDEN = _U64(0x9E3779B97F4A7C15)
 
 
 def _mix(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer (a bijection on uint64 with good avalanche)."""
-    x = (x ^ (x >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-    x = (x ^ (x >> _U64(27))) * _U64(0x94D049BB133111EB)
-    return x ^ (x >> _U64(31))
+    """SplitMix64's finalizer (a bijection on uint64 with good avalanche), in place: pass
+    an array of your own."""
+    x ^= x >> _U64(30)
+    x *= _U64(0xBF58476D1CE4E5B9)
+    x ^= x >> _U64(27)
+    x *= _U64(0x94D049BB133111EB)
+    x ^= x >> _U64(31)
+    return x
 
 
 def _feature_keys(seed: int, num_features: int) -> np.ndarray:
@@ -334,7 +341,10 @@ def _hash_uniform(keys: np.ndarray, ids: np.ndarray, dim: int) -> np.ndarray:
     """Pseudo-random float64[len(ids), dim], uniform with mean 0 and variance 1, a pure
     function of ``(key, id, component)`` (``keys``: one per id, from ``_feature_keys``)."""
     x = ids.astype(_U64)[:, None] * _U64(dim) + np.arange(dim, dtype=_U64)[None, :]
-    h = _mix(_mix(x + keys[:, None]) + _GOLDEN)
+    x += keys[:, None]
+    h = _mix(x)
+    h += _GOLDEN
+    h = _mix(h)
     u = (h >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
     return (u - 0.5) * math.sqrt(12.0)
 
