@@ -24,7 +24,7 @@ import numpy as np
 import optax
 
 from jaxrec.benchmark._environment import environment
-from jaxrec.benchmark._measure import interleaved_timed
+from jaxrec.benchmark._measure import interleaved_by_name
 from jaxrec.fused import FusedEmbeddingTables, fused_lookup, make_functional_train_step
 from jaxrec.ops import TableLayout, embedding_bag_lookup, init_weights
 from jaxrec.optim import RowWiseAdagrad
@@ -40,12 +40,8 @@ ROUNDS = 11
 def timed(calls, iters):
     """{name: median seconds per ``call(k)``}, k rotating over the 4 id sets, the calls in
     interleaved rounds after a warm-up (jaxrec.benchmark's timing)."""
-    for call in calls.values():
-        for k in range(4):
-            jax.block_until_ready(call(k))
-    seconds, _ = interleaved_timed([(call, range(4)) for call in calls.values()], iters, ROUNDS,
-                                   jax.block_until_ready)
-    return dict(zip(calls, seconds))
+    return interleaved_by_name({name: (call, range(4)) for name, call in calls.items()}, iters, ROUNDS,
+                               jax.block_until_ready)
 
 
 def measure(shape):

@@ -3,9 +3,9 @@
 * GPU (:func:`timed`): median of 5 repeats of `iters` back-to-back calls after a
   warm-up; asynchronous dispatch keeps the device busy and the host waits once per
   repeat, so launch overhead hides behind the kernels as it does in training.
-* GPU, several cases side by side (:func:`interleaved_timed`): the same back-to-back
-  repeats, each case in turn, round after round, so that a drift of the machine's speed
-  touches every case alike.
+* GPU, several cases side by side (:func:`interleaved_timed`; named and warmed up:
+  :func:`interleaved_by_name`): the same back-to-back repeats, each case in turn, round
+  after round, so that a drift of the machine's speed touches every case alike.
 * CPU (:func:`interleaved_medians`): the peers run round-robin, one blocking call
   each in turn, so that they share whatever else the machine is doing; median per peer.
 
@@ -86,6 +86,17 @@ def interleaved_timed(cases: Sequence[tuple[Callable[[Any], Any], Sequence[Any]]
             steps[k].append(time.perf_counter() - start)
     median = lambda xs: [statistics.median(x) / iters for x in xs]
     return median(steps), median(hosts)
+
+
+def interleaved_by_name(cases: dict[str, tuple[Callable[[Any], Any], Sequence[Any]]], iters: int,
+                        rounds: int, sync: Callable[[Any], Any]) -> dict[str, float]:
+    """:func:`interleaved_timed` of named ``{name: (fn, args)}`` cases, each first called
+    once on every ``args`` (compiles and warm-up); ``{name: seconds per call}``."""
+    for fn, args in cases.values():
+        for a in args:
+            sync(fn(a))
+    seconds, _ = interleaved_timed(list(cases.values()), iters, rounds, sync)
+    return dict(zip(cases, seconds))
 
 
 def lookup_bytes(batch: int, dims: Sequence[int], ids_per_feature: Sequence[int], *,

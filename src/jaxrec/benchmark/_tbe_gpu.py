@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrec.benchmark._environment import environment, nvidia_driver, optional_import, share_gpu_with_torch
-from jaxrec.benchmark._measure import NUM_ID_SETS, interleaved_timed, lookup_bytes, timed
+from jaxrec.benchmark._measure import NUM_ID_SETS, interleaved_by_name, lookup_bytes, timed
 from jaxrec.benchmark._report import gpu_line, write_json
 from jaxrec.ops import TableLayout, embedding_bag_lookup, init_weights
 
@@ -50,12 +50,8 @@ def jax_time(fn, arg_sets, iters):
 
 def jax_times(peers: dict[str, tuple[Callable, Sequence[tuple]]], iters: int) -> dict[str, float]:
     """Seconds per call of each ``{name: (fn, arg_sets)}``, in interleaved rounds."""
-    cases = [(lambda args, fn=fn: fn(*args), sets) for fn, sets in peers.values()]
-    for call, sets in cases:  # compile and warm up
-        for args in sets:
-            jax.block_until_ready(call(args))
-    seconds, _ = interleaved_timed(cases, iters, ROUNDS, jax.block_until_ready)
-    return dict(zip(peers, seconds))
+    cases = {name: (lambda args, fn=fn: fn(*args), sets) for name, (fn, sets) in peers.items()}
+    return interleaved_by_name(cases, iters, ROUNDS, jax.block_until_ready)
 
 
 def torch_time(torch, fn, arg_sets, iters):
