@@ -253,15 +253,16 @@ class SyntheticClickLog:
         dense = dense_log1p(raw)
         lengths = np.stack([b.sample(rng, n) for b in self.bag_lengths])
         # Every feature's ids in one pass (feature-major): the same draws, in the same order,
-        # as one feature at a time.
-        counts = lengths.sum(1)
-        sizes = np.repeat(np.asarray(self.table_sizes, np.int64), counts)
-        ranks = _zipf_ranks(rng, self.table_sizes, counts, self.zipf_exponent)
-        a, c = (np.repeat(np.asarray(v, np.int64), counts) for v in zip(*self._scatter))
-        values = (ranks * a + c) % sizes
-        return dense, values, lengths, self._logits(dense, values, lengths) + self._intercept
+        # as one feature at a time. `feature`: the feature of each id.
+        feature = np.repeat(np.arange(len(self.table_sizes)), lengths.sum(1))
+        sizes = np.asarray(self.table_sizes, np.int64)
+        ranks = _zipf_ranks(rng, sizes, feature, self.zipf_exponent)
+        a, c = (np.asarray(v, np.int64)[feature] for v in zip(*self._scatter))
+        values = (ranks * a + c) % sizes[feature]
+        return dense, values, lengths, self._logits(dense, values, lengths, feature) + self._intercept
 
-    def _logits(self, dense: np.ndarray, values: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    def _logits(self, dense: np.ndarray, values: np.ndarray, lengths: np.ndarray,
+                feature: np.ndarray) -> np.ndarray:
         num_features, n = lengths.shape
         dim = self.teacher_dim
         logit = _DENSE_SCALE * (dense.astype(np.float64) @ self._w)
@@ -269,8 +270,7 @@ class SyntheticClickLog:
             return logit
         # Every feature's ids at once (feature-major, as `values`): their embeddings, the
         # sum of each bag (an empty bag sums to 0), scaled by its feature's typical length.
-        keys = np.repeat(_feature_keys(self.seed, num_features), lengths.sum(1))
-        emb = _hash_uniform(keys, values, dim + 1)
+        emb = _hash_uniform(_feature_keys(self.seed, num_features)[feature], values, dim + 1)
         bag_lengths = lengths.reshape(-1)
         if (bag_lengths == 1).all():  # one id a bag (the default log): the bags are the ids
             pooled = emb
@@ -291,19 +291,19 @@ class SyntheticClickLog:
         return logit
 
 
-def _zipf_ranks(rng: np.random.Generator, sizes: Sequence[int], counts: np.ndarray, s: float) -> np.ndarray:
-    """``counts[j]`` ranks in ``[0, sizes[j])`` for each table j in turn, with ``P(r) ~ (r + 1)
-    ** -s`` (continuous inverse CDF on [1, n+1))."""
-    u = rng.random(int(counts.sum()))
-    n = np.asarray(sizes, np.float64)
+def _zipf_ranks(rng: np.random.Generator, sizes: np.ndarray, table: np.ndarray, s: float) -> np.ndarray:
+    """A rank in ``[0, sizes[table[i]])`` for each entry i, with ``P(r) ~ (r + 1) ** -s``
+    (continuous inverse CDF on [1, n+1)); ``table`` sorted, so each table's draws are
+    consecutive."""
+    u = rng.random(len(table))
     if s == 0:
-        x = 1.0 + u * np.repeat(n, counts)
+        x = 1.0 + u * sizes.astype(np.float64)[table]
     elif abs(s - 1.0) < 1e-12:
-        x = np.exp(u * np.repeat([math.log(size + 1.0) for size in sizes], counts))
+        x = np.exp(u * np.array([math.log(n + 1.0) for n in sizes.tolist()])[table])
     else:
         t = 1.0 - s
-        x = (1.0 + u * np.repeat([(size + 1.0) ** t - 1.0 for size in sizes], counts)) ** (1.0 / t)
-    return np.clip(np.floor(x).astype(np.int64) - 1, 0, np.repeat(np.asarray(sizes, np.int64), counts) - 1)
+        x = (1.0 + u * np.array([(n + 1.0) ** t - 1.0 for n in sizes.tolist()])[table]) ** (1.0 / t)
+    return np.clip(np.floor(x).astype(np.int64) - 1, 0, sizes[table] - 1)
 
 
 def _coprime_affine(rng: np.random.Generator, n: int) -> tuple[int, int]:
