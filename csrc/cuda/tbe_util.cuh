@@ -47,7 +47,9 @@ __device__ __forceinline__ void WaitForPrimaryGrid() {
 // `kernel` on one block of `threads`, after the work before it on `stream`, allowed to
 // start before that work ends where its code has the wait (its first act must be
 // WaitForPrimaryGrid): code for compute capability 9.0 or later. Code for an older one
-// (e.g. PTX of 8.0 compiled for a newer device) has no wait and launches as usual.
+// (e.g. PTX of 8.0 compiled for a newer device) has no wait and launches as usual. The
+// check is made once per kernel signature (the first kernel launched with it): kernels
+// of one signature must come from one unit, built for the same architectures.
 template <typename... Params, typename... Args>
 cudaError_t LaunchDependent(void (*kernel)(Params...), cudaStream_t stream, int threads, Args... args) {
   static const bool has_wait = [kernel] {
