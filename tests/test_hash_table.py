@@ -23,11 +23,13 @@ def _jitted(policy, backend="auto"):
 
 @pytest.mark.parametrize("backend", ["kernel", "reference"])
 @pytest.mark.parametrize("policy,prefetch", [(p, False) for p in ht.POLICIES] + [("lru", True), ("lfu", True)])
-def test_find_or_insert_equals_the_dict_model(platform, backend, policy, prefetch):
+@pytest.mark.parametrize("num_buckets,size", [(6, 4), (2, 16)], ids=["4-slot-buckets", "16-slot-buckets"])
+def test_find_or_insert_equals_the_dict_model(platform, backend, policy, prefetch, num_buckets, size):
     """``prefetch``: odd calls place a second batch at the step of the call before, keeping
-    (``keep_seen``) the slots that call saw."""
+    (``keep_seen``) the slots that call saw. 24 or 32 slots for up to 47 distinct ids: buckets
+    overflow. (Buckets of a multiple of 16 slots take the handlers' 16-digest loads.)"""
     rng = np.random.default_rng({"lru": 0, "lfu": 1, "none": 2}[policy] + 10 * prefetch)
-    num_buckets, size, n = 6, 4, 20  # 24 slots for ~70 distinct ids: buckets overflow
+    n = 20
     table = ht.create(num_buckets * size, bucket_size=size)
     model = DictModel(num_buckets, size, policy, 32)
     step_fn = _jitted(policy, backend)
@@ -68,7 +70,7 @@ def test_find_or_insert_equals_the_dict_model(platform, backend, policy, prefetc
         np.testing.assert_array_equal(np.asarray(ht.find(table, jnp.asarray(ids), backend=backend)),
                                       [model.slot_of.get(int(i), -1) for i in ids])
     inserted, evicted, failed = totals
-    assert inserted >= 24  # the stream filled the table
+    assert inserted >= num_buckets * size  # the stream filled the table
     if policy == "none":  # a full bucket refuses new ids
         assert evicted == 0 and failed > 0
     else:  # ... or evicts the least valuable id that this batch does not use
