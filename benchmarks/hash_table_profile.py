@@ -1,6 +1,7 @@
 """Where a ``find_or_insert`` call's time goes on the GPU: a JAX profiler trace of one call
 of 1M new ids and one of the same ids again (all found), at hash_table_gpu.py's shape
-(2^27 slots, buckets of 128, int64 keys, LRU), at each of the given load factors.
+(2^27 slots, buckets of 128, int64 keys, LRU), at each of the given load factors; and the
+kernel time of ``find`` of 1M held ids and of 1M absent ones, in random order.
 
     python benchmarks/hash_table_profile.py --out benchmarks/results/hash_table_profile_<device>.json
 
@@ -76,7 +77,9 @@ def profile(target_load: float) -> dict:
     per_call_ms = (time.perf_counter() - start) / len(back_to_back) * 1e3
     load = int(ht.stats(table)["size"]) / CAPACITY
 
-    new = fresh()
+    new, absent = fresh(), fresh()
+    find = jax.jit(ht.find)
+    jax.block_until_ready(find(table, absent))
     trace_dir = tempfile.mkdtemp(prefix="hash_table_profile_")
     jax.profiler.start_trace(trace_dir)
     for keys in (new, new):  # new ids, then the same ids: found
@@ -84,10 +87,15 @@ def profile(target_load: float) -> dict:
         jax.block_until_ready(slots)
         step += 1
         time.sleep(0.01)  # a gap that separates the calls in the trace
+    for keys in (new, absent):
+        jax.block_until_ready(find(table, keys))
+        time.sleep(0.01)
     jax.profiler.stop_trace()
     calls = split_calls(device_events(trace_dir))
+    find_us = [sum(e["dur"] for e in call if "FindKernel" in e["name"]) for call in calls[-2:]]
     run = {"load_factor": load, "back_to_back_ms_per_call": per_call_ms,
-           "calls": {"new_ids": summarize(calls[-2]), "found_ids": summarize(calls[-1])}}
+           "calls": {"new_ids": summarize(calls[-4]), "found_ids": summarize(calls[-3])},
+           "find_kernel_us": {"held_ids": round(find_us[0], 1), "absent_ids": round(find_us[1], 1)}}
     print(json.dumps(run, indent=1), flush=True)
     return run
 

@@ -2,8 +2,8 @@
 // pieces in common/hash_table.h). The bounds (T x 3 int32) are in device memory, read by
 // each thread.
 //
-// find: a thread per id reads its bucket's digests (16-byte loads where the bucket size
-//   allows) and compares keys only where a digest matches.
+// find: a tile of 8 lanes per id reads its bucket's digests (16 bytes a lane where the
+//   bucket size allows) and compares keys only where a digest matches.
 // find_or_insert: one handler for the whole call. (The XLA composition that the CPU
 //   handler is part of took about 20 thunks on the GPU, whose launches, not their work,
 //   bound the call.)
@@ -41,8 +41,8 @@ using namespace hash_table;  // NOLINT(build/namespaces): this file's own vocabu
 
 namespace cg = cooperative_groups;
 
-constexpr int kThreads = 256;  // a thread per id / entry / run
-constexpr int kTile = 8;       // lanes per bucket (PlaceNewRuns)
+constexpr int kThreads = 256;  // a thread per entry / run; a tile per id (FindKernel)
+constexpr int kTile = 8;       // lanes per id (FindKernel), per bucket (PlaceNewRuns)
 constexpr int kTileThreads = 128;
 constexpr int kTilesPerBlock = kTileThreads / kTile;
 
@@ -69,22 +69,65 @@ __device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, i
   return -1;
 }
 
+// Bit k set where digest k of the 16 at `digests` (16-byte aligned) equals `digest`.
+__device__ __forceinline__ uint32_t MatchMask16(const uint8_t* digests, uint8_t digest) {
+  const uint4 chunk = *reinterpret_cast<const uint4*>(digests);
+  const uint32_t pattern = 0x01010101u * digest;
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+  uint32_t mask = 0;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t m = __vcmpeq4(words[w], pattern);  // 0xff in each equal byte
+    mask |= ((m & 1u) | ((m >> 7) & 2u) | ((m >> 14) & 4u) | ((m >> 21) & 8u)) << (4 * w);
+  }
+  return mask;
+}
+
+// A tile of kTile lanes per id: lane l reads digests 16l ... 16l + 15 of the bucket (then
+// 16l + 128 ..., in buckets of more than 128), so that the tile reads a bucket of 128 in
+// one 128-byte load and compares the keys of its digest matches at once. (A thread per
+// id, reading the bucket 16 digests at a time, took 134 us against 113 for 1M held ids
+// in random order at load 0.76 on the H100, 96 against 91 for absent ones; alike at load
+// 0.5: benchmarks/hash_table_profile.py.)
 template <typename I>
 __global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict__ digests, Ranges ranges,
                            int size, const I* __restrict__ ids, const int32_t* __restrict__ table_of,
                            int64_t n, int32_t* __restrict__ slots) {
-  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= n) return;
+  const auto tile = cg::tiled_partition<kTile>(cg::this_thread_block());
+  const int lane = static_cast<int>(tile.thread_rank());
+  const int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / kTile;
+  if (i >= n) return;  // the whole tile
   const I id = ids[i];
   const auto h = Hash(id);
   const int64_t bucket = ranges.Of(h, table_of[i]);
   if (bucket < 0) {
-    slots[i] = -1;
+    if (lane == 0) slots[i] = -1;
     return;
   }
   const int64_t first = bucket * size;
-  const int p = FindFast(keys + first, digests + first, size, DigestOf(h), id);
-  slots[i] = p < 0 ? -1 : static_cast<int32_t>(first + p);
+  const uint8_t digest = DigestOf(h);
+  int found = size;  // this lane's smallest position holding the id
+  if (size % 16 == 0) {
+    for (int base = 16 * lane; base < size && found == size; base += 16 * kTile) {
+      uint32_t match = MatchMask16(digests + first + base, digest);
+      for (; match != 0; match &= match - 1) {
+        const int p = base + __ffs(match) - 1;
+        if (keys[first + p] == id) {
+          found = p;
+          break;
+        }
+      }
+    }
+  } else {
+    for (int p = lane; p < size; p += kTile) {
+      if (digests[first + p] == digest && keys[first + p] == id) {
+        found = p;
+        break;
+      }
+    }
+  }
+  found = cg::reduce(tile, found, cg::less<int>());
+  if (lane == 0) slots[i] = found < size ? static_cast<int32_t>(first + found) : -1;
 }
 
 // The batch's runs (distinct ids, in (range, hash) order): [0, *count) of them.
@@ -185,20 +228,6 @@ __global__ void LookupRuns(Table t, const I* __restrict__ keys, Runs<I> runs, in
   runs.status[r] = kFound;
   t.scores[first + p] = NewScore(policy, t.scores[first + p], true, runs.stop[r] - runs.first[r], *step);
   t.seen[first + p] = *step;
-}
-
-// Bit k set where digest k of the 16 at `digests` (16-byte aligned) equals `digest`.
-__device__ __forceinline__ uint32_t MatchMask16(const uint8_t* digests, uint8_t digest) {
-  const uint4 chunk = *reinterpret_cast<const uint4*>(digests);
-  const uint32_t pattern = 0x01010101u * digest;
-  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-  uint32_t mask = 0;
-#pragma unroll
-  for (int w = 0; w < 4; ++w) {
-    const uint32_t m = __vcmpeq4(words[w], pattern);  // 0xff in each equal byte
-    mask |= ((m & 1u) | ((m >> 7) & 2u) | ((m >> 14) & 4u) | ((m >> 21) & 8u)) << (4 * w);
-  }
-  return mask;
 }
 
 template <typename Tile>
@@ -384,7 +413,7 @@ ffi::Error HashFindCuda(cudaStream_t stream, ffi::AnyBuffer keys, ffi::AnyBuffer
   const auto dims = keys.dimensions();
   return DispatchIndexType(keys.element_type(), "keys", [&](auto zero) {
     using I = decltype(zero);
-    FindKernel<I><<<Blocks(n, kThreads), kThreads, 0, stream>>>(
+    FindKernel<I><<<Blocks(n, kThreads / kTile), kThreads, 0, stream>>>(
         keys.typed_data<I>(), digests.typed_data<uint8_t>(),
         Ranges{bounds.typed_data<int32_t>(), static_cast<int32_t>(bounds.dimensions()[0])},
         static_cast<int>(dims[1]), ids.typed_data<I>(), table_of.typed_data<int32_t>(), n,
