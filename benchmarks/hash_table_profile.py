@@ -35,6 +35,7 @@ from jaxrec.benchmark._report import write_json  # noqa: E402
 from jaxrec.ops import hash_table as ht  # noqa: E402
 
 GROUPS = {"DeviceRadix": "sorts", "LookupRuns": "lookup", "PlaceNewRuns": "placement"}
+CAPACITY, N = 1 << 27, 1 << 20  # slots, ids a call
 
 
 def main(argv=None) -> int:
@@ -47,9 +48,6 @@ def main(argv=None) -> int:
     if args.out:
         write_json(args.out, result)
     return 0
-
-
-CAPACITY, N = 1 << 27, 1 << 20
 
 
 def profile(target_load: float) -> dict:
