@@ -28,6 +28,23 @@ def fmix(i: int, bits: int) -> int:
     return h ^ (h >> 33)
 
 
+def unfmix(h: int, bits: int) -> int:
+    """The id whose fmix is ``h`` (fmix is a bijection), as a signed int: ids of chosen hashes."""
+    if bits == 32:
+        h ^= h >> 16
+        h = (h * pow(0xC2B2AE35, -1, 1 << 32)) & M32
+        h ^= (h >> 13) ^ (h >> 26)
+        h = (h * pow(0x85EBCA6B, -1, 1 << 32)) & M32
+        h ^= h >> 16
+    else:
+        h ^= h >> 33
+        h = (h * pow(0xC4CEB9FE1A85EC53, -1, 1 << 64)) & M64
+        h ^= h >> 33
+        h = (h * pow(0xFF51AFD7ED558CCD, -1, 1 << 64)) & M64
+        h ^= h >> 33
+    return h - (1 << bits) if h >> (bits - 1) else h
+
+
 def fresh_row(name: str, step: int, i: int, bits: int, dim: int, low: float, high: float) -> np.ndarray:
     """A dynamic table's new row for id ``i`` (jaxrec.nn.dynamic.fresh_rows, default init):
     uniform in [low, high) from fmix32 of (crc32 of the name, step, the id's words, column)."""

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hash_table_testing import DictModel
+from hash_table_testing import DictModel, fmix, unfmix
 
 from jaxrec.ops import hash_table as ht
 
@@ -92,6 +92,59 @@ def test_int64_ids_equal_the_dict_model(x64, platform, backend):
         np.testing.assert_array_equal(np.asarray(table.digests).ravel(), model.digests)
         np.testing.assert_array_equal(np.asarray(table.scores).ravel()[model.used], model.scores[model.used])
         np.testing.assert_array_equal(np.asarray(ht.find(table, jnp.asarray(ids), backend=backend)), want)
+
+
+@pytest.mark.parametrize("dtype", ["int32", "int64"])
+def test_ids_whose_hashes_share_their_high_bits_equal_the_dict_model(x64, platform, dtype):
+    """The CUDA handler sorts a batch by 32-bit keys (the range in the high bits, then the
+    hash's high bits) and then orders each group of equal keys and unequal hashes by hash.
+    Ids built from chosen hashes make such groups: of two (hashes that differ in their low
+    bits), of three, one of 3000 ids (int64: the high 32 bits shared), and a group whose id
+    comes 2000 times. One range (against the dict model) and three (against the jnp
+    reference)."""
+    bits = 32 if dtype == "int32" else 64
+    rng = np.random.default_rng(11)
+    sizes = [2] * 40 if bits == 32 else [2] * 30 + [3] * 10 + [3000]
+    hashes = []
+    for size in sizes + [2]:  # the last: the hot id's
+        if bits == 32:  # the key holds bits 1 ... 31 of the hash
+            high = int(rng.integers(0, 2**31)) << 1
+            hashes.append([high, high | 1])
+        else:  # the key holds bits 33 ... 63
+            high = int(rng.integers(0, 2**32)) << 32
+            hashes.append([high | int(low) for low in rng.choice(2**32, size, replace=False)])
+    ids = np.array([unfmix(h, bits) for group in hashes for h in group], dtype)
+    assert [fmix(int(i), bits) for i in ids] == [h for group in hashes for h in group]
+    hot = ids[-1]
+    table, model = ht.create(64 * 16, bucket_size=16, dtype=dtype), DictModel(64, 16, "lru", bits)
+    ranged = ht.create(3 * 64 * 16, bucket_size=16, dtype=dtype)
+    reference = ranged
+    ranges = tuple(ht.Range(64 * t, 64, 64) for t in range(3))
+    for step in range(3):
+        batch = rng.permutation(np.concatenate([rng.choice(ids, int(0.8 * ids.size), replace=False),
+                                                np.full(2000, hot, dtype), rng.choice(ids, 300)]))
+        valid = rng.random(batch.size) > 0.05
+        slots, table, info = ht.find_or_insert(table, jnp.asarray(batch), step, policy="lru",
+                                               valid=jnp.asarray(valid))
+        want_slots, _, want_counts = model.find_or_insert(batch, valid, step)
+        np.testing.assert_array_equal(np.asarray(slots), want_slots, err_msg=f"step {step}")
+        assert (int(info.inserted[0]), int(info.evicted[0]), int(info.failed[0])) == want_counts
+        used = np.asarray(table.used).ravel()
+        np.testing.assert_array_equal(used, model.used)
+        np.testing.assert_array_equal(np.asarray(table.keys).ravel()[used], model.keys[used])
+        np.testing.assert_array_equal(np.asarray(table.digests).ravel(), model.digests)
+        np.testing.assert_array_equal(np.asarray(table.scores).ravel()[used], model.scores[used])
+
+        table_of = jnp.asarray(rng.integers(-1, 3, batch.size).astype(np.int32))
+        got = ht.find_or_insert(ranged, jnp.asarray(batch), step, valid=jnp.asarray(valid), table_of=table_of,
+                                ranges=ranges)
+        want = ht.find_or_insert(reference, jnp.asarray(batch), step, valid=jnp.asarray(valid), table_of=table_of,
+                                 ranges=ranges, backend="reference")
+        for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=f"step {step}")
+        ranged, reference = got[1], want[1]
+    if bits == 64:  # the group of 3000 overflows its bucket of 16 slots
+        assert want_counts[2] > 2000
 
 
 @pytest.mark.parametrize("dtype", ["int32", "int64"])

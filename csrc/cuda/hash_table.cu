@@ -7,10 +7,11 @@
 // find_or_insert: one handler for the whole call. (The XLA composition that the CPU
 //   handler is part of took about 20 thunks on the GPU, whose launches, not their work,
 //   bound the call.)
-//   1. Sort the batch by (range, hash): CUB's radix sort by hash, then a stable one by
-//      range, in which an entry that is no id (not valid, or of no range) ranks past every
-//      range. Equal hashes are equal ids (the hash is a bijection), so each distinct id is
-//      one run, and each bucket's runs are consecutive, in hash order.
+//   1. Sort the batch by (range, hash), an entry that is no id (not valid, or of no range)
+//      past every range: CUB's radix sort of 32-bit keys (the range, the hash's high bits),
+//      then the rare groups of equal keys and unequal hashes ordered by hash (SortGroups).
+//      Equal hashes are equal ids (the hash is a bijection), so each distinct id is one
+//      run, and each bucket's runs are consecutive, in hash order.
 //   2. Compact the runs (a scan of the run heads): id, range, bucket, first and last entry.
 //   3. A thread per run looks its id up; a found id refreshes its slot's score and seen.
 //   4. A tile of 8 lanes per bucket (started at the bucket's first run) marks the slots
@@ -45,6 +46,7 @@ constexpr int kThreads = 256;  // a thread per entry / run; a tile per id (FindK
 constexpr int kTile = 8;       // lanes per id (FindKernel), per bucket (PlaceNewRuns)
 constexpr int kTileThreads = 128;
 constexpr int kTilesPerBlock = kTileThreads / kTile;
+constexpr int kSortGroupsBlocks = 256;  // SortGroups' blocks, each taking every 256th group
 
 // The position of `id` in its bucket or -1; 16 digests a load when `size` is a multiple of 16.
 template <typename I>
@@ -151,35 +153,108 @@ struct Table {
   int32_t* seen;
 };
 
-// Each entry's sort keys: its hash and its range (num_ranges where it is no id).
+// The batch is sorted by (range, hash) with one radix sort of 32-bit keys: the range (an
+// entry that is no id ranks num_ranges, past every range) in the high `range_bits` bits,
+// the hash's high bits below. A 64-bit hash sort (eight passes) and a stable sort by range
+// took about 190 us for 1M ids on the H100; these keys take four passes. Entries whose
+// keys are equal but whose hashes differ stay in batch order, so SortGroups then orders
+// each such group by (hash, position), as the full sort would: for 1M random ids about 2^7
+// groups of two, for ids crafted to share their high hash bits possibly one large one.
+
+// Each entry's sort key, and its hash (0 where it is no id: such entries need no order).
 template <typename I, typename H>
 __global__ void PrepareSort(const I* __restrict__ ids, const bool* __restrict__ valid,
                             const int32_t* __restrict__ table_of, int64_t n, int32_t num_ranges,
-                            H* __restrict__ hashes, int32_t* __restrict__ tables,
+                            int range_bits, H* __restrict__ hashes, uint32_t* __restrict__ keys,
                             int32_t* __restrict__ order) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= n) return;
-  hashes[i] = Hash(ids[i]);
   const int32_t t = table_of[i];
-  tables[i] = valid[i] && t >= 0 && t < num_ranges ? t : num_ranges;
+  const bool is_id = valid[i] && t >= 0 && t < num_ranges;
+  const H h = is_id ? Hash(ids[i]) : H{0};
+  hashes[i] = h;
+  const auto high = static_cast<uint32_t>(h >> (8 * sizeof(H) - 32));
+  keys[i] = (static_cast<uint32_t>(is_id ? t : num_ranges) << (32 - range_bits)) | (high >> range_bits);
   order[i] = static_cast<int32_t>(i);
 }
 
-__global__ void GatherTables(const int32_t* __restrict__ tables, const int32_t* __restrict__ order, int64_t n,
-                             int32_t* __restrict__ out) {
+// The first position in [lo, hi) whose key is not below `key` (upper: above it).
+template <bool kUpper>
+__device__ int64_t KeyBound(const uint32_t* __restrict__ keys, int64_t lo, int64_t hi, uint32_t key) {
+  while (lo < hi) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (kUpper ? keys[mid] <= key : keys[mid] < key) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// Each sorted entry's range and hash; an entry whose hash is below that of the entry before
+// with an equal key lists their group [lo, hi) of equal keys for SortGroups (the first such
+// entry of a group to claim it, in `claimed`, zeroed).
+template <typename H>
+__global__ void FindUnorderedGroups(const uint32_t* __restrict__ sorted_keys,
+                                    const int32_t* __restrict__ order, const H* __restrict__ hashes,
+                                    int64_t n, int range_bits, int32_t* __restrict__ tables,
+                                    H* __restrict__ sorted_hashes, int32_t* __restrict__ claimed,
+                                    int2* __restrict__ groups, int32_t* __restrict__ num_groups) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i < n) out[i] = tables[order[i]];
+  if (i >= n) return;
+  const uint32_t key = sorted_keys[i];
+  tables[i] = static_cast<int32_t>(key >> (32 - range_bits));
+  const H h = hashes[order[i]];
+  sorted_hashes[i] = h;
+  if (i == 0 || sorted_keys[i - 1] != key || !(h < hashes[order[i - 1]])) return;
+  const int64_t lo = KeyBound<false>(sorted_keys, 0, i, key);
+  if (atomicCAS(&claimed[lo], 0, 1) != 0) return;
+  const int64_t hi = KeyBound<true>(sorted_keys, i + 1, n, key);
+  groups[atomicAdd(num_groups, 1)] = make_int2(static_cast<int>(lo), static_cast<int>(hi));
+}
+
+// A block per listed group sorts it by (hash, position): a bitonic network of compare-
+// exchanges that all put the smaller pair first, over the group padded to a power of two
+// with pairs above any (never stored: a compare-exchange with one leaves it in place).
+template <typename H>
+__global__ void SortGroups(const int2* __restrict__ groups, const int32_t* __restrict__ num_groups,
+                           H* __restrict__ sorted_hashes, int32_t* __restrict__ order) {
+  for (int32_t g = blockIdx.x; g < *num_groups; g += gridDim.x) {
+    const int64_t lo = groups[g].x, size = groups[g].y - lo;
+    H* h = sorted_hashes + lo;
+    int32_t* o = order + lo;
+    int64_t padded = 1;
+    while (padded < size) padded *= 2;
+    for (int64_t k = 2; k <= padded; k *= 2) {
+      for (int64_t j = k / 2; j > 0; j /= 2) {
+        for (int64_t t = threadIdx.x; t < padded / 2; t += blockDim.x) {
+          const int64_t a = t / j * 2 * j + t % j;             // below b, in the lower half of its k-block
+          const int64_t b = j == k / 2 ? a ^ (k - 1) : a + j;  // its mirror in the upper half, then a + j
+          if (b < size && (h[b] < h[a] || (h[b] == h[a] && o[b] < o[a]))) {
+            const H hb = h[b];
+            const int32_t ob = o[b];
+            h[b] = h[a];
+            o[b] = o[a];
+            h[a] = hb;
+            o[a] = ob;
+          }
+        }
+        __syncthreads();
+      }
+    }
+  }
 }
 
 // heads[i] = 1 where a run starts at sorted position i (entries that are no id start none).
-template <typename I>
-__global__ void MarkHeads(const I* __restrict__ ids, const int32_t* __restrict__ tables,
-                          const int32_t* __restrict__ order, int64_t n, int32_t num_ranges,
-                          int32_t* __restrict__ heads) {
+// Equal hashes are equal ids: the sorted hashes are read in order, not the ids by `order`.
+template <typename H>
+__global__ void MarkHeads(const int32_t* __restrict__ tables, const H* __restrict__ sorted_hashes, int64_t n,
+                          int32_t num_ranges, int32_t* __restrict__ heads) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= n) return;
   const int32_t t = tables[i];
-  heads[i] = t < num_ranges && (i == 0 || t != tables[i - 1] || ids[order[i]] != ids[order[i - 1]]);
+  heads[i] = t < num_ranges && (i == 0 || t != tables[i - 1] || sorted_hashes[i] != sorted_hashes[i - 1]);
 }
 
 // Entry i is of run run_of[i] - 1 (run_of: the inclusive scan of the heads).
@@ -449,14 +524,15 @@ struct Work {
     Carve c(base);
     hashes = c.Take<H>(n);
     sorted_hashes = c.Take<H>(n);
-    tables_in = c.Take<int32_t>(n);
+    sort_keys = c.Take<uint32_t>(n);
+    sorted_keys = c.Take<uint32_t>(n);
     iota = c.Take<int32_t>(n);
-    order_by_hash = c.Take<int32_t>(n);
-    tables_by_hash = c.Take<int32_t>(n);
-    tables = c.Take<int32_t>(n);
     order = c.Take<int32_t>(n);
+    tables = c.Take<int32_t>(n);
     heads = c.Take<int32_t>(n);
     run_of = c.Take<int32_t>(n);
+    groups = c.Take<int2>(n / 2 + 1);
+    num_groups = c.Take<int32_t>(1);
     count = c.Take<int32_t>(1);
     runs = Runs<I>{count,
                    c.Take<I>(n),
@@ -469,8 +545,10 @@ struct Work {
     cub_storage = c.Take<char>(static_cast<int64_t>(cub_bytes));
     bytes = c.used();
   }
-  H *hashes, *sorted_hashes;  // CUB writes the sorted hashes; only the order is read
-  int32_t *tables_in, *iota, *order_by_hash, *tables_by_hash, *tables, *order, *heads, *run_of, *count;
+  H *hashes, *sorted_hashes;
+  uint32_t *sort_keys, *sorted_keys;
+  int32_t *iota, *order, *tables, *heads, *run_of, *num_groups, *count;
+  int2* groups;
   Runs<I> runs;
   char* cub_storage;
   size_t bytes;
@@ -485,23 +563,19 @@ ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   using H = decltype(Hash(I{}));
   const int32_t num_ranges = t.ranges.count;
   const int items = static_cast<int>(n);
-  int table_bits = 1;  // ranks 0 ... num_ranges (no id)
-  while ((int64_t{1} << table_bits) <= num_ranges) ++table_bits;
+  int range_bits = 1;  // ranks 0 ... num_ranges (no id)
+  while ((int64_t{1} << range_bits) <= num_ranges) ++range_bits;
 
   size_t cub_bytes = 0;
-  for (int k = 0; k < 3; ++k) {
+  for (int k = 0; k < 2; ++k) {
     size_t bytes = 0;
     cudaError_t err =
         k == 0
-            ? cub::DeviceRadixSort::SortPairs(nullptr, bytes, static_cast<const H*>(nullptr),
-                                              static_cast<H*>(nullptr), static_cast<const int32_t*>(nullptr),
-                                              static_cast<int32_t*>(nullptr), items, 0, 8 * sizeof(H), stream)
-        : k == 1 ? cub::DeviceRadixSort::SortPairs(
-                       nullptr, bytes, static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
-                       static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), items, 0,
-                       table_bits, stream)
-                 : cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const int32_t*>(nullptr),
-                                                 static_cast<int32_t*>(nullptr), items, stream);
+            ? cub::DeviceRadixSort::SortPairs(
+                  nullptr, bytes, static_cast<const uint32_t*>(nullptr), static_cast<uint32_t*>(nullptr),
+                  static_cast<const int32_t*>(nullptr), static_cast<int32_t*>(nullptr), items, 0, 32, stream)
+            : cub::DeviceScan::InclusiveSum(nullptr, bytes, static_cast<const int32_t*>(nullptr),
+                                            static_cast<int32_t*>(nullptr), items, stream);
     if (err != cudaSuccess) return CudaError(err, kOp);
     cub_bytes = std::max(cub_bytes, bytes);
   }
@@ -514,18 +588,20 @@ ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   const Work<I, H> w(static_cast<char*>(*buffer), n, cub_bytes);
 
   const unsigned blocks = Blocks(n, kThreads), tile_blocks = Blocks(n, kTilesPerBlock);
-  PrepareSort<I, H>
-      <<<blocks, kThreads, 0, stream>>>(ids, valid, table_of, n, num_ranges, w.hashes, w.tables_in, w.iota);
+  PrepareSort<I, H><<<blocks, kThreads, 0, stream>>>(ids, valid, table_of, n, num_ranges, range_bits,
+                                                     w.hashes, w.sort_keys, w.iota);
   size_t bytes = cub_bytes;
-  cudaError_t err = cub::DeviceRadixSort::SortPairs(w.cub_storage, bytes, w.hashes, w.sorted_hashes, w.iota,
-                                                    w.order_by_hash, items, 0, 8 * sizeof(H), stream);
+  cudaError_t err = cub::DeviceRadixSort::SortPairs(w.cub_storage, bytes, w.sort_keys, w.sorted_keys, w.iota,
+                                                    w.order, items, 0, 32, stream);
   if (err != cudaSuccess) return CudaError(err, kOp);
-  GatherTables<<<blocks, kThreads, 0, stream>>>(w.tables_in, w.order_by_hash, n, w.tables_by_hash);
-  bytes = cub_bytes;
-  err = cub::DeviceRadixSort::SortPairs(w.cub_storage, bytes, w.tables_by_hash, w.tables, w.order_by_hash,
-                                        w.order, items, 0, table_bits, stream);
+  err = cudaMemsetAsync(w.heads, 0, n * sizeof(int32_t), stream);  // FindUnorderedGroups' claims
+  if (err == cudaSuccess) err = cudaMemsetAsync(w.num_groups, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return CudaError(err, kOp);
-  MarkHeads<I><<<blocks, kThreads, 0, stream>>>(ids, w.tables, w.order, n, num_ranges, w.heads);
+  FindUnorderedGroups<H><<<blocks, kThreads, 0, stream>>>(w.sorted_keys, w.order, w.hashes, n, range_bits,
+                                                          w.tables, w.sorted_hashes, w.heads, w.groups,
+                                                          w.num_groups);
+  SortGroups<H><<<kSortGroupsBlocks, kThreads, 0, stream>>>(w.groups, w.num_groups, w.sorted_hashes, w.order);
+  MarkHeads<H><<<blocks, kThreads, 0, stream>>>(w.tables, w.sorted_hashes, n, num_ranges, w.heads);
   bytes = cub_bytes;
   err = cub::DeviceScan::InclusiveSum(w.cub_storage, bytes, w.heads, w.run_of, items, stream);
   if (err != cudaSuccess) return CudaError(err, kOp);
