@@ -153,8 +153,7 @@ def main(argv=None) -> int:
 
 def find_in_jit(table, batches) -> float:
     """Seconds per ``find`` of one of ``batches`` (arrays of ids) when one jitted function runs them all."""
-    run = jax.jit(lambda t, b: [ht.find(t, ids)[:1] for ids in b])
-    run = run.lower(table, batches).compile()
+    run = ahead_of_time(find_calls, table, batches)
     times = []
     for _ in range(3):
         start = time.perf_counter()
@@ -167,20 +166,38 @@ def find_or_insert_in_jit(table, batches, step: int):
     """Seconds per ``find_or_insert`` of one of ``batches`` (separate arrays: slices of one
     would reach the handler through a dynamic-slice thunk) when one jitted function runs them
     all, the table carried and donated. Returns the table, that, the next step."""
-
-    def calls(t, batches, first_step):
-        slots = []
-        for k, ids in enumerate(batches):
-            s, t, _ = ht.find_or_insert(t, ids, first_step + k, policy="lru")
-            slots.append(s[:1])
-        return t, slots
-
-    run = jax.jit(calls, donate_argnums=0).lower(table, batches, jnp.int32(step)).compile()
+    run = ahead_of_time(find_or_insert_calls, table, batches, jnp.int32(step))
     jax.block_until_ready((table, batches))
     start = time.perf_counter()
     table, slots = run(table, batches, jnp.int32(step))
     jax.block_until_ready(slots)
     return table, (time.perf_counter() - start) / len(batches), step + len(batches)
+
+
+@jax.jit
+def find_calls(table, batches):
+    return [ht.find(table, ids)[:1] for ids in batches]
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def find_or_insert_calls(table, batches, first_step):
+    slots = []
+    for k, ids in enumerate(batches):
+        s, table, _ = ht.find_or_insert(table, ids, first_step + k, policy="lru")
+        slots.append(s[:1])
+    return table, slots
+
+
+_COMPILED = {}
+
+
+def ahead_of_time(fn, table, batches, *rest):
+    """``fn`` compiled for these arguments without running it (a run would insert keys), once
+    per number of batches: the table's and the batches' shapes do not change."""
+    key = (fn, len(batches))
+    if key not in _COMPILED:
+        _COMPILED[key] = fn.lower(table, batches, *rest).compile()
+    return _COMPILED[key]
 
 
 def zero_collisions(distinct: int, n: int) -> dict:

@@ -5,10 +5,10 @@ kernel time of ``find`` of 1M held ids and of 1M absent ones, in random order.
 
     python benchmarks/hash_table_profile.py --out benchmarks/results/hash_table_profile_<device>.json
 
-For each call: the device time of its kernels, grouped (the radix sorts, the lookup, the
-placement, the rest), the device's busy time and its span (from the call's first device
-event, the copy of its Python-int step, to its last). Also the wall time of back-to-back
-calls of new ids.
+For each call: the device time of its kernels, grouped ("sorts": CUB's radix sort
+kernels; the lookup; the placement; the rest, the sort's fix-up of equal keys among them),
+the device's busy time and its span (from the call's first device event, the copy of its
+Python-int step, to its last). Also the wall time of back-to-back calls of new ids.
 """
 
 from __future__ import annotations

@@ -48,29 +48,6 @@ constexpr int kTileThreads = 128;
 constexpr int kTilesPerBlock = kTileThreads / kTile;
 constexpr int kSortGroupsBlocks = 256;  // SortGroups' blocks, each taking every 256th group
 
-// The position of `id` in its bucket or -1; 16 digests a load when `size` is a multiple of 16.
-template <typename I>
-__device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, int size, uint8_t digest,
-                                        I id) {
-  if (size % 16 != 0) return FindInBucket(keys, digests, size, digest, id);
-  const uint32_t pattern = 0x01010101u * digest;
-  for (int base = 0; base < size; base += 16) {
-    const uint4 chunk = *reinterpret_cast<const uint4*>(digests + base);
-    const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
-#pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      uint32_t match = __vcmpeq4(words[w], pattern);  // 0xff in each equal byte
-      while (match != 0) {
-        const int byte = (__ffs(match) - 1) / 8;
-        const int p = base + 4 * w + byte;
-        if (keys[p] == id) return p;
-        match &= ~(0xffu << (8 * byte));
-      }
-    }
-  }
-  return -1;
-}
-
 // Bit k set where digest k of the 16 at `digests` (16-byte aligned) equals `digest`.
 __device__ __forceinline__ uint32_t MatchMask16(const uint8_t* digests, uint8_t digest) {
   const uint4 chunk = *reinterpret_cast<const uint4*>(digests);
@@ -83,6 +60,29 @@ __device__ __forceinline__ uint32_t MatchMask16(const uint8_t* digests, uint8_t 
     mask |= ((m & 1u) | ((m >> 7) & 2u) | ((m >> 14) & 4u) | ((m >> 21) & 8u)) << (4 * w);
   }
   return mask;
+}
+
+// The position of `id` among the 16 slots from `base` (16-aligned) of a bucket, or -1.
+template <typename I>
+__device__ __forceinline__ int FindIn16(const I* keys, const uint8_t* digests, int base, uint8_t digest,
+                                        I id) {
+  for (uint32_t match = MatchMask16(digests + base, digest); match != 0; match &= match - 1) {
+    const int p = base + __ffs(match) - 1;
+    if (keys[p] == id) return p;
+  }
+  return -1;
+}
+
+// The position of `id` in its bucket or -1; 16 digests a load when `size` is a multiple of 16.
+template <typename I>
+__device__ __forceinline__ int FindFast(const I* keys, const uint8_t* digests, int size, uint8_t digest,
+                                        I id) {
+  if (size % 16 != 0) return FindInBucket(keys, digests, size, digest, id);
+  for (int base = 0; base < size; base += 16) {
+    const int p = FindIn16(keys, digests, base, digest, id);
+    if (p >= 0) return p;
+  }
+  return -1;
 }
 
 // A tile of kTile lanes per id: lane l reads digests 16l ... 16l + 15 of the bucket (then
@@ -111,14 +111,8 @@ __global__ void FindKernel(const I* __restrict__ keys, const uint8_t* __restrict
   int found = size;  // this lane's smallest position holding the id
   if (size % 16 == 0) {
     for (int base = 16 * lane; base < size && found == size; base += 16 * kTile) {
-      uint32_t match = MatchMask16(digests + first + base, digest);
-      for (; match != 0; match &= match - 1) {
-        const int p = base + __ffs(match) - 1;
-        if (keys[first + p] == id) {
-          found = p;
-          break;
-        }
-      }
+      const int p = FindIn16(keys + first, digests + first, base, digest, id);
+      if (p >= 0) found = p;
     }
   } else {
     for (int p = lane; p < size; p += kTile) {
