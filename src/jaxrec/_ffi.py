@@ -5,6 +5,9 @@ The build installs ``_lib/libjaxrec_cpu.so`` (always), ``_lib/libjaxrec_cuda.so`
 registered for the ``cpu`` platform with the CPU handler and for ``CUDA`` with the
 CUDA handler (``TARGETS``); :func:`dispatch` lowers the kernel of the platform being
 compiled for, or the op's pure-``jnp`` reference on a platform that has no handler.
+It traces a branch only for the platforms this process can compile for (its JAX
+backends) or, inside :func:`lowering_platforms`, for the platforms named there
+(``jax.export`` for a platform this process lacks).
 
 Libraries load lazily, on the first op that needs them, so ``import jaxrec``
 works even when a library is missing or was built for another jaxlib.
@@ -12,15 +15,18 @@ works even when a library is missing or was built for another jaxlib.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import jax
+import jax.extend
 import jaxlib
 
 _LIB_DIR = Path(__file__).parent / "_lib"
@@ -168,6 +174,30 @@ def call_kernel(kernel: Callable[..., Any], *args: Any) -> Any:
     return kernel(*args)
 
 
+_LOWERING_PLATFORMS: contextvars.ContextVar[tuple[str, ...] | None] = contextvars.ContextVar(
+    "jaxrec_lowering_platforms", default=None)
+
+
+@contextlib.contextmanager
+def lowering_platforms(platforms: Sequence[str]):
+    """Within: :func:`dispatch` traces the branches of `platforms` ('cpu', 'cuda', ...)
+    instead of those of the process's own backends. For ``jax.export`` to platforms that
+    this process has no backend for (``jaxrec.serving.export`` uses it)."""
+    token = _LOWERING_PLATFORMS.set(tuple(platforms))
+    try:
+        yield
+    finally:
+        _LOWERING_PLATFORMS.reset(token)
+
+
+def _traced_platforms() -> tuple[str, ...]:
+    # Only the platforms a computation traced now can be lowered for: tracing a branch per
+    # platform jaxrec knows, plus the reference for the rest, cost a tenth of a train step's
+    # trace-and-compile time on a CPU-only machine for branches that were never lowered.
+    explicit = _LOWERING_PLATFORMS.get()
+    return explicit if explicit is not None else tuple(jax.extend.backend.backends())
+
+
 def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
              reference: Callable[..., Any], *args: Any, backend: str = "auto") -> Any:
     """Calls `kernel(*args)` on platforms with compiled handlers, else `reference(*args)`.
@@ -179,7 +209,8 @@ def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
     backend: "auto" (kernel where built, reference elsewhere), "kernel" (always the
     handler; lowering fails on a platform without one) or "reference" (always the
     pure-jnp reference).
-    The platform is the one the computation is lowered for, so this works under jit.
+    The platform is the one the computation is lowered for, so this works under jit;
+    the branches traced are those of the platforms it can be lowered for (module doc).
     """
     if backend == "reference":
         return reference(*args)
@@ -187,14 +218,18 @@ def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
         raise ValueError(f"backend must be 'auto', 'kernel' or 'reference', got {backend!r}")
 
     kernels = kernel if isinstance(kernel, dict) else dict.fromkeys(_LIBRARIES, kernel)
+    platforms = _traced_platforms()
     if backend == "kernel":
         # Always the handlers, and the reference is not even traced (it may not handle
         # every input the kernels do): lowering for a platform without a handler fails.
-        available = {p: kernels[p] for p in _LIBRARIES if p in kernels and has_kernel(p)}
+        available = {p: kernels[p] for p in platforms if p in kernels and has_kernel(p)}
         if not available:
-            raise RuntimeError("backend='kernel' but jaxrec has no compiled handlers "
+            raise RuntimeError(f"backend='kernel' but jaxrec has no compiled handlers for {list(platforms)} "
                                "(jaxrec.build_info()); " + _REBUILD_HINT)
         return jax.lax.platform_dependent(*args, **available)
-    branches = {p: (kernels[p] if p in kernels and has_kernel(p) else reference) for p in _LIBRARIES}
-    return jax.lax.platform_dependent(*args, default=reference, **branches)
-
+    branches = {p: (kernels[p] if p in kernels and has_kernel(p) else reference)
+                for p in platforms if p in _LIBRARIES}
+    others = any(p not in _LIBRARIES for p in platforms)  # e.g. 'tpu': the reference
+    if not branches:
+        return reference(*args)
+    return jax.lax.platform_dependent(*args, default=reference if others else None, **branches)

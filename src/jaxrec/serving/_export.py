@@ -77,8 +77,9 @@ def export(model: nnx.Module, path: str | os.PathLike, *, num_dense: int, keys: 
     buckets = {}
     for b in sorted(set(int(b) for b in batch_sizes)):
         capacity = max(1, b * ids_per_sample)
-        exported = jax.export.export(jax.jit(serve), platforms=tuple(platforms), disabled_checks=allowed)(
-            specs, jax.ShapeDtypeStruct((b, num_dense), jnp.float32),
+        with _ffi.lowering_platforms(platforms):
+            exported = jax.export.export(jax.jit(serve), platforms=tuple(platforms), disabled_checks=allowed)(
+                specs, jax.ShapeDtypeStruct((b, num_dense), jnp.float32),
             jax.ShapeDtypeStruct((capacity,), jnp.int32),
             jax.ShapeDtypeStruct((len(keys) * b,), jnp.int32),
             jax.ShapeDtypeStruct((capacity,), jnp.float32))
