@@ -72,7 +72,8 @@ def export(model: nnx.Module, path: str | os.PathLike, *, num_dense: int, keys: 
     np.savez(out / "weights.npz", **{f"a{k}": np.asarray(x) for k, x in enumerate(leaves)})
     specs = [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype) for x in leaves]
     # jaxrec's kernels are custom calls, which jax.export refuses unless named; a platform
-    # without jaxrec's handlers here is lowered with the jnp references instead.
+    # without jaxrec's handlers here is lowered with the jnp references instead. The ops
+    # trace the branches of `platforms` (lowering_platforms), not only this process's.
     allowed = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.custom_call_targets()]
     buckets = {}
     for b in sorted(set(int(b) for b in batch_sizes)):
@@ -80,9 +81,9 @@ def export(model: nnx.Module, path: str | os.PathLike, *, num_dense: int, keys: 
         with _ffi.lowering_platforms(platforms):
             exported = jax.export.export(jax.jit(serve), platforms=tuple(platforms), disabled_checks=allowed)(
                 specs, jax.ShapeDtypeStruct((b, num_dense), jnp.float32),
-            jax.ShapeDtypeStruct((capacity,), jnp.int32),
-            jax.ShapeDtypeStruct((len(keys) * b,), jnp.int32),
-            jax.ShapeDtypeStruct((capacity,), jnp.float32))
+                jax.ShapeDtypeStruct((capacity,), jnp.int32),
+                jax.ShapeDtypeStruct((len(keys) * b,), jnp.int32),
+                jax.ShapeDtypeStruct((capacity,), jnp.float32))
         name = f"serve_{b}.bin"
         (out / name).write_bytes(exported.serialize())
         buckets[str(b)] = {"file": name, "capacity": capacity}
