@@ -26,10 +26,13 @@ def traced_by(platforms=None):
     return calls
 
 
-def test_only_the_platforms_of_this_process_are_traced():
+def test_kernels_with_handlers_are_traced_and_the_reference_only_where_a_backend_lacks_them():
     backends = set(jax.extend.backend.backends())
-    expected = {f"{p} kernel" for p in ("cpu", "cuda") if p in backends and _ffi.has_kernel(p)}
-    assert "cpu" in backends and sorted(traced_by()) == sorted(expected)
+    assert "cpu" in backends
+    expected = {f"{p} kernel" for p in ("cpu", "cuda") if _ffi.has_kernel(p)}
+    if any(p in backends and not _ffi.has_kernel(p) for p in ("cpu", "cuda")):
+        expected.add("reference")
+    assert sorted(traced_by()) == sorted(expected)
 
 
 def test_named_lowering_platforms_are_traced_and_the_reference_covers_the_others():
@@ -43,6 +46,16 @@ def test_named_lowering_platforms_are_traced_and_the_reference_covers_the_others
 def test_the_kernel_backend_refuses_platforms_without_handlers():
     with _ffi.lowering_platforms(["tpu"]), pytest.raises(RuntimeError, match=r"backend='kernel'.*\['tpu'\]"):
         _ffi.dispatch(lambda x: x, lambda x: x, jnp.ones(3), backend="kernel")
+
+
+def test_an_export_to_cuda_needs_no_gpu_where_the_cuda_handlers_are_built():
+    if not _ffi.has_kernel("cuda"):
+        pytest.skip("jaxrec was built without its CUDA library (jaxrec.build_info())")
+    check = jax.jit(lambda i, o: bounds_check_indices([4], i, o).indices)
+    allowed = [jax.export.DisabledSafetyCheck.custom_call(t) for t in _ffi.custom_call_targets()]
+    indices, offsets = jnp.array([1, 9, 2], jnp.int32), jnp.array([0, 3], jnp.int32)
+    exported = jax.export.export(check, platforms=("cpu", "cuda"), disabled_checks=allowed)(indices, offsets)
+    assert exported.platforms == ("cpu", "cuda") and "jaxrec_bounds_check_indices" in exported.mlir_module()
 
 
 @pytest.mark.gpu

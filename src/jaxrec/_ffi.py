@@ -5,9 +5,9 @@ The build installs ``_lib/libjaxrec_cpu.so`` (always), ``_lib/libjaxrec_cuda.so`
 registered for the ``cpu`` platform with the CPU handler and for ``CUDA`` with the
 CUDA handler (``TARGETS``); :func:`dispatch` lowers the kernel of the platform being
 compiled for, or the op's pure-``jnp`` reference on a platform that has no handler.
-It traces a branch only for the platforms this process can compile for (its JAX
-backends) or, inside :func:`lowering_platforms`, for the platforms named there
-(``jax.export`` for a platform this process lacks).
+It traces the kernels of every platform jaxrec has handlers for and the reference only
+where a backend of this process has none, or, inside :func:`lowering_platforms`, the
+branches of the platforms named there (``jax.export`` for platforms beyond those).
 
 Libraries load lazily, on the first op that needs them, so ``import jaxrec``
 works even when a library is missing or was built for another jaxlib.
@@ -180,9 +180,10 @@ _LOWERING_PLATFORMS: contextvars.ContextVar[tuple[str, ...] | None] = contextvar
 
 @contextlib.contextmanager
 def lowering_platforms(platforms: Sequence[str]):
-    """Within: :func:`dispatch` traces the branches of `platforms` ('cpu', 'cuda', ...)
-    instead of those of the process's own backends. For ``jax.export`` to platforms that
-    this process has no backend for (``jaxrec.serving.export`` uses it)."""
+    """Within: :func:`dispatch` traces the branches of `platforms` ('cpu', 'cuda', 'tpu',
+    ...) instead of the default ones (module doc): for ``jax.export`` to a platform that
+    has neither a backend in this process nor jaxrec handlers, which then gets the jnp
+    reference (``jaxrec.serving.export`` names its platforms this way)."""
     token = _LOWERING_PLATFORMS.set(tuple(platforms))
     try:
         yield
@@ -191,12 +192,16 @@ def lowering_platforms(platforms: Sequence[str]):
 
 
 def _traced_platforms() -> tuple[str, ...]:
-    # Only the platforms a computation traced now can be lowered for: tracing a branch for
-    # every platform jaxrec knows, plus the reference for the rest, cost a CPU-only machine
-    # 6% of the test suite's time (11% of the nn, optim and parallel tests), for branches
-    # that were never lowered.
+    # This process's backends and every platform jaxrec has handlers for (a kernel branch
+    # is cheap to trace, and jax.export to CUDA from a CPU-only machine keeps working),
+    # but the jnp reference only where it can be lowered: tracing it as the default of
+    # every op cost a CPU-only machine 6% of the test suite's time (11% of the nn, optim
+    # and parallel tests), for a branch no platform here ever lowered.
     explicit = _LOWERING_PLATFORMS.get()
-    return explicit if explicit is not None else tuple(jax.extend.backend.backends())
+    if explicit is not None:
+        return explicit
+    present = tuple(jax.extend.backend.backends())
+    return present + tuple(p for p in _LIBRARIES if p not in present and has_kernel(p))
 
 
 def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
@@ -211,7 +216,7 @@ def dispatch(kernel: Callable[..., Any] | dict[str, Callable[..., Any]],
     handler; lowering fails on a platform without one) or "reference" (always the
     pure-jnp reference).
     The platform is the one the computation is lowered for, so this works under jit;
-    the branches traced are those of the platforms it can be lowered for (module doc).
+    the module doc says which branches are traced.
     """
     if backend == "reference":
         return reference(*args)
