@@ -13,8 +13,9 @@
 //      Equal hashes are equal ids (the hash is a bijection), so each distinct id is one
 //      run, and each bucket's runs are consecutive, in hash order.
 //   2. Compact the runs (a scan of the run heads): id, range, bucket, first and last entry.
-//   3. A thread per run looks its id up; a found id refreshes its slot's score and seen.
-//   4. A tile of 8 lanes per bucket (started at the bucket's first run) marks the slots
+//   3. A thread per run looks its id up; a found id refreshes its slot's score and seen, a
+//      new one joins the list of new runs.
+//   4. A tile of 8 lanes per bucket with new runs (from that list) marks the slots
 //      its found runs hold, then gives its new runs, in order, the candidates of smallest
 //      rank (common/hash_table.h: CandidateRank), each chosen by a min-reduction over the
 //      bucket's slots, and writes them after all are chosen (ranks read the old state).
@@ -28,6 +29,7 @@
 #include <cstdint>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
+#include <limits>
 #include <optional>
 #include <string>
 #include <utility>
@@ -47,6 +49,7 @@ constexpr int kTile = 8;       // lanes per id (FindKernel), per bucket (PlaceNe
 constexpr int kTileThreads = 128;
 constexpr int kTilesPerBlock = kTileThreads / kTile;
 constexpr int kSortGroupsBlocks = 256;  // SortGroups' blocks, each taking every 256th group
+constexpr int kCounters = 3;            // the handler's: groups, runs, new runs
 
 // Bit k set where digest k of the 16 at `digests` (16-byte aligned) equals `digest`.
 __device__ __forceinline__ uint32_t MatchMask16(const uint8_t* digests, uint8_t digest) {
@@ -137,6 +140,8 @@ struct Runs {
   int32_t* stop;
   int32_t* slots;
   int32_t* status;
+  int32_t* new_runs;  // the runs LookupRuns did not find, [0, *num_new) of them, in no order
+  int32_t* num_new;
 };
 
 struct Table {
@@ -155,14 +160,19 @@ struct Table {
 // each such group by (hash, position), as the full sort would: for 1M random ids about 2^7
 // groups of two, for ids crafted to share their high hash bits possibly one large one.
 
-// Each entry's sort key, and its hash (0 where it is no id: such entries need no order).
+// Each entry's sort key, and its hash (0 where it is no id: such entries need no order);
+// zeroes the claims of FindUnorderedGroups and the handler's counters (memsets of their own
+// cost a launch each).
 template <typename I, typename H>
 __global__ void PrepareSort(const I* __restrict__ ids, const bool* __restrict__ valid,
                             const int32_t* __restrict__ table_of, int64_t n, int32_t num_ranges,
                             int range_bits, H* __restrict__ hashes, uint32_t* __restrict__ keys,
-                            int32_t* __restrict__ order) {
+                            int32_t* __restrict__ order, int32_t* __restrict__ claims,
+                            int32_t* __restrict__ counters) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < kCounters) counters[i] = 0;
   if (i >= n) return;
+  claims[i] = 0;
   const int32_t t = table_of[i];
   const bool is_id = valid[i] && t >= 0 && t < num_ranges;
   const H h = is_id ? Hash(ids[i]) : H{0};
@@ -272,8 +282,18 @@ __global__ void CompactRuns(const I* __restrict__ ids, const int32_t* __restrict
   if (ids_end) *count = r + 1;
 }
 
+// This thread's index in a list that the coalesced threads of its warp append to at once
+// (one atomic a warp: a million on one counter serialise).
+__device__ __forceinline__ int32_t AppendIndex(int32_t* count) {
+  const auto group = cg::coalesced_threads();
+  int32_t base = 0;
+  if (group.thread_rank() == 0) base = atomicAdd(count, static_cast<int32_t>(group.size()));
+  return group.shfl(base, 0) + static_cast<int32_t>(group.thread_rank());
+}
+
 // A thread per run (a tile of 8 lanes per run, each reading 16 of the bucket's digests,
-// took 198 us against 185 for 1M ids already in the table, at load 0.75 on the H100).
+// took 198 us against 185 for 1M ids already in the table, at load 0.75 on the H100). The
+// runs it does not find join the list of new runs that PlaceNewRuns works through.
 template <typename I>
 __global__ void LookupRuns(Table t, const I* __restrict__ keys, Runs<I> runs, int64_t n,
                            const int32_t* __restrict__ step, int32_t policy) {
@@ -291,11 +311,14 @@ __global__ void LookupRuns(Table t, const I* __restrict__ keys, Runs<I> runs, in
   if (p < 0) {
     runs.slots[r] = -1;
     runs.status[r] = kFailed;  // until placed
+    runs.new_runs[AppendIndex(runs.num_new)] = static_cast<int32_t>(r);
     return;
   }
   runs.slots[r] = static_cast<int32_t>(first + p);
   runs.status[r] = kFound;
-  t.scores[first + p] = NewScore(policy, t.scores[first + p], true, runs.stop[r] - runs.first[r], *step);
+  const int32_t old_score =
+      policy == kLfu ? t.scores[first + p] : 0;  // LRU's reads none: one scattered read fewer
+  t.scores[first + p] = NewScore(policy, old_score, true, runs.stop[r] - runs.first[r], *step);
   t.seen[first + p] = *step;
 }
 
@@ -309,48 +332,37 @@ __device__ __forceinline__ uint64_t TileMin(const Tile& tile, uint64_t x) {
   return x;
 }
 
-// A tile of kTile lanes per bucket: a batch of new ids mostly puts one or two in a
-// bucket, so a whole warp per bucket left most lanes idle and took 4x the waves.
-template <typename I>
-__global__ void __launch_bounds__(kTileThreads)
-    PlaceNewRuns(Table t, I* __restrict__ keys, Runs<I> runs, int64_t launched,
-                 const int32_t* __restrict__ step, int32_t policy, int32_t keep_seen) {
-  __shared__ uint32_t hit_words[kTilesPerBlock][2][kMaxBucketSize / 32];  // hit, empty
-  const auto tile = cg::tiled_partition<kTile>(cg::this_thread_block());
+// Places the bucket of run `new_run`, unless an earlier run of the bucket is new too (that
+// run's tile places it). A run's status is new (not kFound) from LookupRuns on, whether or
+// not its tile has placed it yet.
+template <typename I, typename Tile>
+__device__ void PlaceBucket(const Tile& tile, const Table& t, I* __restrict__ keys, const Runs<I>& runs,
+                            int32_t n, int32_t new_run, uint32_t* hit, uint32_t* empty, const int32_t* step,
+                            int32_t policy, int32_t keep_seen) {
   const int lane = static_cast<int>(tile.thread_rank());
-  const int which = threadIdx.x / kTile;
-  const int64_t begin = blockIdx.x * int64_t{kTilesPerBlock} + which;
-  if (begin >= launched) return;
-  const int64_t n = *runs.count;
-  if (begin >= n) return;
-  const int32_t bucket = runs.buckets[begin];
-  if (bucket < 0) return;                                      // of no range: not an id
-  if (begin > 0 && runs.buckets[begin - 1] == bucket) return;  // not its bucket's first run
-
-  // The bucket's runs [begin, end), and whether any is new.
-  int64_t end = begin;
-  bool any_new = false;
+  const int32_t bucket = runs.buckets[new_run];
+  int32_t begin = new_run;  // the bucket's runs are consecutive: [begin, end)
+  while (begin > 0 && runs.buckets[begin - 1] == bucket) --begin;
+  bool earlier_new = false;
+  for (int32_t q = begin + lane; q < new_run; q += kTile) earlier_new |= runs.status[q] != kFound;
+  if (tile.any(earlier_new)) return;
+  int32_t end = new_run + 1;
   for (;; end += kTile) {
-    const int64_t r = end + lane;
-    const bool in = r < n && runs.buckets[r] == bucket;
-    any_new |= in && runs.status[r] == kFailed;
-    const unsigned inside = tile.ballot(in);
+    const int32_t q = end + lane;
+    const unsigned inside = tile.ballot(q < n && runs.buckets[q] == bucket);
     if (inside != (1u << kTile) - 1) {
       end += __ffs(~inside) - 1;
       break;
     }
   }
-  if (!tile.any(any_new)) return;
 
   const int size = t.size;
-  const int64_t first = int64_t{bucket} * size;
-  uint32_t* hit = hit_words[which][0];
-  uint32_t* empty = hit_words[which][1];
-  for (int w = lane; w < kMaxBucketSize / 32; w += kTile) hit[w] = empty[w] = 0;
+  const int32_t first = bucket * size;  // slots are int32
+  for (int w = lane; w < (size + 31) / 32; w += kTile) hit[w] = empty[w] = 0;
   tile.sync();
-  for (int64_t r = begin + lane; r < end; r += kTile) {
+  for (int32_t r = begin + lane; r < end; r += kTile) {
     if (runs.status[r] == kFound) {
-      const int p = static_cast<int>(runs.slots[r] - first);
+      const int p = runs.slots[r] - first;
       atomicOr(&hit[p / 32], 1u << (p % 32));
     }
   }
@@ -379,7 +391,7 @@ __global__ void __launch_bounds__(kTileThreads)
   bool first_pick = true;
   int taken = 0, word = 0;
   uint32_t bits = empty[0];
-  for (int64_t r = begin; r < end; ++r) {
+  for (int32_t r = begin; r < end; ++r) {
     if (runs.status[r] != kFailed) continue;
     uint64_t best;
     if (taken < empties) {  // the next empty slot by position (every lane finds the same)
@@ -403,21 +415,43 @@ __global__ void __launch_bounds__(kTileThreads)
     first_pick = false;
     if (lane == 0) {
       const int p = static_cast<int>(best & 0xFFFFFF);
-      runs.slots[r] = static_cast<int32_t>(first + p);
+      runs.slots[r] = first + p;
       runs.status[r] = t.digests[first + p] == 0 ? kInserted : kInsertedEvicting;
     }
   }
   tile.sync();
 
   // Write the placed runs.
-  for (int64_t r = begin + lane; r < end; r += kTile) {
+  for (int32_t r = begin + lane; r < end; r += kTile) {
     const int32_t status = runs.status[r];
     if (status != kInserted && status != kInsertedEvicting) continue;
-    const int64_t slot = runs.slots[r];
+    const int32_t slot = runs.slots[r];
     keys[slot] = runs.ids[r];
     t.digests[slot] = DigestOf(Hash(runs.ids[r]));
     t.scores[slot] = NewScore(policy, 0, false, runs.stop[r] - runs.first[r], *step);
     t.seen[slot] = *step;
+  }
+}
+
+// A tile of kTile lanes per bucket with new runs: a batch of new ids mostly puts one or two
+// in a bucket, so a whole warp per bucket left most lanes idle and took 4x the waves. The
+// tiles (as many as the GPU holds at once) work through the list of new runs; the tile of
+// a bucket's first new run places the bucket. (A tile launched per run, for every bucket
+// of the batch, took the same 285 us for 1M ids of which 40% were new as for 1M new ones
+// on the H100: the blocks whose tiles had nothing to place waited for those that had.)
+template <typename I>
+__global__ void __launch_bounds__(kTileThreads)
+    PlaceNewRuns(Table t, I* __restrict__ keys, Runs<I> runs, const int32_t* __restrict__ step,
+                 int32_t policy, int32_t keep_seen) {
+  __shared__ uint32_t hit_words[kTilesPerBlock][2][kMaxBucketSize / 32];  // hit, empty
+  const auto tile = cg::tiled_partition<kTile>(cg::this_thread_block());
+  const int lane = static_cast<int>(tile.thread_rank());
+  const int which = threadIdx.x / kTile;
+  const int32_t n = *runs.count, num_new = *runs.num_new;
+  for (int32_t k = blockIdx.x * kTilesPerBlock + which; k < num_new; k += gridDim.x * kTilesPerBlock) {
+    tile.sync();  // the tile's last bucket is done with its shared words
+    PlaceBucket(tile, t, keys, runs, n, runs.new_runs[k], hit_words[which][0], hit_words[which][1], step,
+                policy, keep_seen);
   }
 }
 
@@ -469,6 +503,22 @@ ffi::Error CudaError(cudaError_t err, const char* op) {
 
 unsigned Blocks(int64_t items, int64_t per_block) {
   return static_cast<unsigned>((items + per_block - 1) / per_block);
+}
+
+// The blocks of `kernel` that the current GPU holds at once (no limit where CUDA cannot say).
+template <typename Kernel>
+unsigned ResidentBlocks(Kernel kernel, int threads) {
+  static const int per_sm = [&] {  // a property of the kernel and the architecture
+    int blocks = 0;
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, 0);
+    return err == cudaSuccess ? blocks : 0;
+  }();
+  int device = 0, sms = 0;
+  if (per_sm < 1 || cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return std::numeric_limits<unsigned>::max();
+  }
+  return static_cast<unsigned>(sms * per_sm);
 }
 
 ffi::Error HashFindCuda(cudaStream_t stream, ffi::AnyBuffer keys, ffi::AnyBuffer digests, ffi::AnyBuffer ids,
@@ -526,8 +576,8 @@ struct Work {
     heads = c.Take<int32_t>(n);
     run_of = c.Take<int32_t>(n);
     groups = c.Take<int2>(n / 2 + 1);
-    num_groups = c.Take<int32_t>(1);
-    count = c.Take<int32_t>(1);
+    num_groups = c.Take<int32_t>(kCounters);  // num_groups, then the runs' count and the new runs'
+    count = num_groups + 1;
     runs = Runs<I>{count,
                    c.Take<I>(n),
                    c.Take<int32_t>(n),
@@ -535,7 +585,9 @@ struct Work {
                    c.Take<int32_t>(n),
                    c.Take<int32_t>(n),
                    c.Take<int32_t>(n),
-                   c.Take<int32_t>(n)};
+                   c.Take<int32_t>(n),
+                   c.Take<int32_t>(n),
+                   num_groups + 2};
     cub_storage = c.Take<char>(static_cast<int64_t>(cub_bytes));
     bytes = c.used();
   }
@@ -581,15 +633,12 @@ ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   }
   const Work<I, H> w(static_cast<char*>(*buffer), n, cub_bytes);
 
-  const unsigned blocks = Blocks(n, kThreads), tile_blocks = Blocks(n, kTilesPerBlock);
+  const unsigned blocks = Blocks(n, kThreads);
   PrepareSort<I, H><<<blocks, kThreads, 0, stream>>>(ids, valid, table_of, n, num_ranges, range_bits,
-                                                     w.hashes, w.sort_keys, w.iota);
+                                                     w.hashes, w.sort_keys, w.iota, w.heads, w.num_groups);
   size_t bytes = cub_bytes;
   cudaError_t err = cub::DeviceRadixSort::SortPairs(w.cub_storage, bytes, w.sort_keys, w.sorted_keys, w.iota,
                                                     w.order, items, 0, 32, stream);
-  if (err != cudaSuccess) return CudaError(err, kOp);
-  err = cudaMemsetAsync(w.heads, 0, n * sizeof(int32_t), stream);  // FindUnorderedGroups' claims
-  if (err == cudaSuccess) err = cudaMemsetAsync(w.num_groups, 0, sizeof(int32_t), stream);
   if (err != cudaSuccess) return CudaError(err, kOp);
   FindUnorderedGroups<H><<<blocks, kThreads, 0, stream>>>(w.sorted_keys, w.order, w.hashes, n, range_bits,
                                                           w.tables, w.sorted_hashes, w.heads, w.groups,
@@ -599,12 +648,12 @@ ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
   bytes = cub_bytes;
   err = cub::DeviceScan::InclusiveSum(w.cub_storage, bytes, w.heads, w.run_of, items, stream);
   if (err != cudaSuccess) return CudaError(err, kOp);
-  err = cudaMemsetAsync(w.count, 0, sizeof(int32_t), stream);
-  if (err != cudaSuccess) return CudaError(err, kOp);
   CompactRuns<I><<<blocks, kThreads, 0, stream>>>(ids, w.tables, w.order, w.heads, w.run_of, n, t.ranges,
                                                   w.runs, w.count);
   LookupRuns<I><<<blocks, kThreads, 0, stream>>>(t, keys, w.runs, n, step, policy);
-  PlaceNewRuns<I><<<tile_blocks, kTileThreads, 0, stream>>>(t, keys, w.runs, n, step, policy, keep_seen);
+  const unsigned place_blocks =
+      std::min(Blocks(n, kTilesPerBlock), ResidentBlocks(PlaceNewRuns<I>, kTileThreads));
+  PlaceNewRuns<I><<<place_blocks, kTileThreads, 0, stream>>>(t, keys, w.runs, step, policy, keep_seen);
   ScatterSlots<<<blocks, kThreads, 0, stream>>>(w.tables, w.order, w.run_of, w.runs.slots, n, num_ranges,
                                                 slots);
   FinishRuns<I>
