@@ -13,8 +13,9 @@ Each kind of call is timed two ways:
 
 * **in a jitted step** (``in_jit``), as a training step calls it: one jitted function runs
   8 calls one after the other (``find_or_insert``: the table carried and donated); a
-  call's time is the function's wall time / 8 after an ahead-of-time compile (``find``: the
-  median of 3 runs; ``find_or_insert``: the mean of 2, of new keys: 1). That is the device's
+  call's time is the function's wall time / 8 after an ahead-of-time compile and a first
+  run on an empty table (``find``: the median of 3 runs; ``find_or_insert``: the mean of 2,
+  of new keys: 1). That is the device's
   time per call, the launches between its kernels and an eighth of the function's start
   included, without a Python dispatch per call: what the targets are read on. (Not a
   ``lax.scan``: XLA's while loop copies its condition to the host every call, and slices
