@@ -43,14 +43,15 @@ def write_criteo(path, rows: int, seed: int = 0) -> None:
     path.write_text("\n".join(lines) + "\n")
 
 
-def checkpoint(config: TrainConfig, directory, step: int) -> dict:
-    """The checkpoint's state (its index arrays int64: restored with 64-bit types on)."""
+def checkpoints(config: TrainConfig, step: int, *directories) -> list[dict]:
+    """The state of each directory's checkpoint ``step``, restored into one target built from
+    ``config`` (their index arrays int64: restored with 64-bit types on)."""
     with jax.enable_x64(True):
         task = build_task(config)
         tx = DENSE_OPTIMIZERS[config.dense_optimizer](config.dense_learning_rate)
         target = checkpoint_state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
-        state, _ = restore_checkpoint(directory, target, step=step)
-    return jax.tree.map(np.asarray, state)
+        states = [restore_checkpoint(d, target, step=step)[0] for d in directories]
+    return [jax.tree.map(np.asarray, state) for state in states]
 
 
 def held_ids(state: dict, table: str, since: int = 0) -> np.ndarray:
@@ -77,23 +78,25 @@ def test_criteo_run_takes_raw_ids_reports_its_tables_and_resumes_exactly(tmp_pat
     assert stats["total"]["inserted"] > 0 and stats["total"]["index_bytes"] > 0
     assert stats["test"]["ids"] == 2 * 32 * 26  # every test row holds one id per feature
 
-    # The raw value reached the index unmodded: an int64 id beyond the rows and int32.
+    # Interrupted after 4 steps and resumed (its checkpoint is compared at the end).
+    assert main([*run, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"),
+                 "--out-dir", str(tmp_path / "out_b")]) == 0
+    assert main([*run, "--steps", "8", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
+                 "--out-dir", str(tmp_path / "out_b")]) == 0
     config = TrainConfig(data=f"criteo:{path}", vocab="dynamic", batch_size=32, max_rows=500,
                          embedding_dim=8, backend="reference")
-    state = checkpoint(config, tmp_path / "a", 8)
+    state, resumed_state = checkpoints(config, 8, tmp_path / "a", tmp_path / "b")
+
+    # The raw value reached the index unmodded: an int64 id beyond the rows and int32.
     c1 = held_ids(state, "t_C1")
     assert c1.dtype == np.int64 and c1.size > 30 and set(c1) <= set(range(BIG - 39, BIG + 1))
     # The model computes in float32: no float64 crept in with the 64-bit types.
     floats = {x.dtype for x in jax.tree.leaves(state) if np.issubdtype(x.dtype, np.floating)}
     assert floats == {np.dtype(np.float32)}
 
-    # Interrupted after 4 steps and resumed: the same state, index and counters.
-    assert main([*run, "--steps", "4", "--checkpoint-dir", str(tmp_path / "b"),
-                 "--out-dir", str(tmp_path / "out_b")]) == 0
-    assert main([*run, "--steps", "8", "--checkpoint-dir", str(tmp_path / "b"), "--resume",
-                 "--out-dir", str(tmp_path / "out_b")]) == 0
+    # The interrupted and resumed run: the same state, index and counters.
     resumed = json.loads((tmp_path / "out_b" / "metrics.json").read_text())
-    leaves_a, leaves_b = jax.tree.leaves(state), jax.tree.leaves(checkpoint(config, tmp_path / "b", 8))
+    leaves_a, leaves_b = jax.tree.leaves(state), jax.tree.leaves(resumed_state)
     assert len(leaves_a) == len(leaves_b) > 26 * 5
     for x, y in zip(leaves_a, leaves_b):
         np.testing.assert_array_equal(x, y)
@@ -112,7 +115,7 @@ def test_synthetic_run_evaluates_without_inserting_and_trains_on_after(tmp_path)
     assert stats["test"]["ids"] == 2 * 64 * 26
     # ...and training went on in train mode after the evaluation at step 3: the tables saw
     # ids at the last step (fused step 5, counted from 0).
-    state = checkpoint(config, tmp_path / "ck", 6)
+    [state] = checkpoints(config, 6, tmp_path / "ck")
     for table in ("t_C1", "t_C3"):
         assert held_ids(state, table, since=5).size > 0
         assert held_ids(state, table, since=6).size == 0

@@ -22,20 +22,19 @@ FLAGS = ["--data", "synthetic", "--placement", "host_cached", "--batch-size", "3
          "--embedding-dim", "8", "--eval-every", "4", "--eval-batches", "2"]
 
 
-def checkpoint(config: TrainConfig, directory, step: int):
+def restore_target(config: TrainConfig, task):
+    """What a run of ``config`` checkpoints, from its ``task``: the structure a restore fills."""
     import optax  # noqa: F401  (the dense optimizer's state)
     from flax import nnx
 
-    task = build_task(config)
     tx = DENSE_OPTIMIZERS[config.dense_optimizer](config.dense_learning_rate)
-    target = checkpoint_state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
-    state, _ = restore_checkpoint(directory, target, step=step)
-    return state
+    return checkpoint_state(task.model, nnx.Optimizer(task.model, tx, wrt=nnx.Param))
 
 
 def test_a_host_cached_run_trains_and_resumes_exactly(tmp_path, capsys):
     config = TrainConfig(placement="host_cached", batch_size=32, max_rows=500, embedding_dim=8)
-    ebc = build_task(config).model.sparse_arch
+    task = build_task(config)
+    ebc = task.model.sparse_arch
     # host-cached: the tables whose cache (0.2 of the rows, in buckets of 128) is smaller
     # than the table and holds two batches of 32 ids; the others stay on the device
     cached = {t.name: 64 <= t.cache_size() < t.num_embeddings for t in ebc.table_configs
@@ -54,7 +53,9 @@ def test_a_host_cached_run_trains_and_resumes_exactly(tmp_path, capsys):
     whole, resumed = (json.loads((tmp_path / d / "metrics.json").read_text()) for d in ("out_a", "out_b"))
     assert resumed["final"] == whole["final"] and resumed["host_cache"]["tables"].keys() == cached.keys()
     assert whole["host_cache"]["total"]["inserted"] > whole["host_cache"]["total"]["size"] > 0
-    leaves_a, leaves_b = (jax.tree.leaves(checkpoint(config, tmp_path / d, 8)) for d in ("a", "b"))
+    target = restore_target(config, task)  # both runs' checkpoints restore into it
+    leaves_a, leaves_b = (jax.tree.leaves(restore_checkpoint(tmp_path / d, target, step=8)[0])
+                          for d in ("a", "b"))
     assert len(leaves_a) == len(leaves_b)
     for x, y in zip(leaves_a, leaves_b):
         np.testing.assert_array_equal(x, y)
