@@ -3,7 +3,7 @@ XLA (an exact rowwise Adagrad written in jnp, a scatter-add SGD) and PyTorch's s
 optimizers.
 
     python benchmarks/fused_gpu.py --out benchmarks/results/fused_gpu_<device>.json
-                                   [--quick] [--only default,table_sweep,no_donation]
+                                   [--quick] [--only default,fbgemm_default,table_sweep,no_donation]
 
 Per case (fp32 tables of E rows x D, T features of one table each, B samples, fixed
 bags of L uniform random ids, duplicates included):
@@ -118,6 +118,10 @@ def cases(quick):
                         for r in sorted(sweep_rows, reverse=True)],
         "default": [case("default", t, e, d, b, l, iters, fused=tuple(OPTIMIZERS), steps=tuple(OPTIMIZERS),
                          peers=peers, torch_opts=("sgd", "adagrad", "adam"))],
+        # FBGEMM's benchmark default shape (E=1e5, B=512), reported beside the default one.
+        "fbgemm_default": [case("fbgemm_default", t, max(e // 10, 1), d, max(b // 8, 1), l, iters,
+                                fused=("rowwise_adagrad",), steps=("rowwise_adagrad",), peers=(),
+                                torch_opts=())],
         # 32 tables of 1e7 rows would be 164 GB: 4 of them at E=1e7 (1 in --quick).
         "no_donation": [case("no_donation", t, e, d, b, l, few, no_donation=True),
                         case("no_donation", max(t // 8, 1), big_e, d, b, l, few, no_donation=True)],
@@ -466,7 +470,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True)
     parser.add_argument("--quick", action="store_true", help="tiny configs (a smoke test; runs on the CPU)")
-    parser.add_argument("--only", nargs="+", help="configs to run: default, table_sweep, no_donation "
+    parser.add_argument("--only", nargs="+", help="configs to run: default, fbgemm_default, table_sweep, no_donation "
                         "(comma- or space-separated; they run largest table first whatever the order)")
     args = parser.parse_args()
     plan = cases(args.quick)

@@ -1,6 +1,6 @@
 """The fused update alone, to compare two builds of jaxrec on one machine, one after the other:
 
-    python benchmarks/fused_update_builds_ab.py OUT.json          # under each build in turn
+    python benchmarks/fused_update_builds_ab.py OUT.json [NAME ...]   # under each build in turn
 
 ``jaxrec.fused.fused_update`` (weights and state donated, bounds check NONE) for SGD,
 rowwise Adagrad, Adam, Adagrad and LAMB at the shape of issue 20's table (T=32 tables of E=1e6 rows,
@@ -43,6 +43,8 @@ CONFIGS = [  # name, optimizer, weight dtype
     ("rowwise_adagrad_bf16_sr", optim.RowWiseAdagrad(learning_rate=0.01, stochastic_rounding=True), jnp.bfloat16),
     ("adam_f16", optim.Adam(learning_rate=0.01), jnp.float16)]
 for name, cfg, weight_dtype in CONFIGS:
+    if sys.argv[2:] and name not in sys.argv[2:]:  # only the configurations named
+        continue
     w = jax.random.uniform(jax.random.key(1), (layout.num_weights,), jnp.float32, -0.1, 0.1).astype(weight_dtype)
     s = optim.init_state(cfg, layout)
     step = jax.jit(lambda w, s, i, cfg=cfg: fused_update(w, s, g, i, offsets, layout=layout, config=cfg,

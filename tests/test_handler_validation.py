@@ -29,6 +29,7 @@ from jaxrec import _ffi
 ROWS, DIMS = (4, 5), (4, 3)
 TABLE_OFFSETS = (0, 16)
 OUTPUT_OFFSETS = (0, 4, 7)
+FIRST_ROWS = (0, 4)  # each table's row 0 among both tables' rows
 NUM_WEIGHTS, TOTAL_DIM, B, N = 31, 7, 2, 5
 INDICES = np.array([1, 0, 2, 3, 4], np.int32)
 OFFSETS = np.array([0, 2, 3, 4, 5], np.int32)
@@ -45,8 +46,9 @@ HPARAMS = np.array([0.1, 1e-8, 0.9, 0.999, 0.0, 0.0, 0.0, 0.0, 0.0], np.float32)
 
 
 def packed_layout() -> np.ndarray:
-    """int32 view of [table_offset[T], dim[T], rows[T], output_offset[T+1]] (csrc/common/tbe.h)."""
-    return np.array([*TABLE_OFFSETS, *DIMS, *ROWS, *OUTPUT_OFFSETS], np.int64).view(np.int32)
+    """int32 view of [table_offset[T], dim[T], rows[T], first_row[T], output_offset[T+1]]
+    (csrc/common/tbe.h)."""
+    return np.array([*TABLE_OFFSETS, *DIMS, *ROWS, *FIRST_ROWS, *OUTPUT_OFFSETS], np.int64).view(np.int32)
 
 
 def sorted_positions() -> dict[str, np.ndarray]:
@@ -173,7 +175,7 @@ CASES = [  # (ops, id, mutation, the shared validation's message)
     (ALL, "layout-dtype", operand("layout", lambda l: l.view(np.float32)),
      "layout must be int32 (packed int64), got float32"),
     (ALL, "layout-size", operand("layout", lambda l: l[:-2]),
-     "layout has 16 int32 entries; expected 2 * (4 * T + 1) for T >= 1 features"),
+     "layout has 20 int32 entries; expected 2 * (5 * T + 1) for T >= 1 features"),
     (ALL, "offsets-size", operand("offsets", lambda o: o[:-1]),
      "offsets has 4 entries; expected T * B + 1 with T = 2 features"),
     (ALL, "psw-dtype", operand("per_sample_weights", lambda p: p.astype(np.float16)),

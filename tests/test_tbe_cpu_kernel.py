@@ -46,8 +46,10 @@ def packed_layout(tables, feature_table):
     off = [int(starts[t]) for t in feature_table]
     dims = [tables[t][1] for t in feature_table]
     rows = [tables[t][0] for t in feature_table]
+    first_rows = np.concatenate([[0], np.cumsum([r for r, _ in tables])])
+    first = [int(first_rows[t]) for t in feature_table]
     out_off = np.concatenate([[0], np.cumsum(dims)]).tolist()
-    packed = np.array(off + dims + rows + out_off, np.int64).view(np.int32)
+    packed = np.array(off + dims + rows + first + out_off, np.int64).view(np.int32)
     return packed, dict(off=off, dims=dims, rows=rows, out_off=out_off, size=int(starts[-1]))
 
 

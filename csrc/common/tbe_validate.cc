@@ -43,9 +43,9 @@ ffi::Error ValidateLookup(std::string_view op, ffi::AnyBuffer weights, ffi::AnyB
     return Invalid(op, "layout must be int32 (packed int64), got " + DtypeName(layout.element_type()));
   }
   const int64_t packed = layout.element_count();
-  if (packed < PackedLayoutSize(1) || packed % 2 != 0 || (packed / 2 - 1) % 4 != 0) {
+  if (packed < PackedLayoutSize(1) || packed % 2 != 0 || (packed / 2 - 1) % 5 != 0) {
     return Invalid(op, "layout has " + std::to_string(packed) +
-                           " int32 entries; expected 2 * (4 * T + 1) for T >= 1 features");
+                           " int32 entries; expected 2 * (5 * T + 1) for T >= 1 features");
   }
   if (reinterpret_cast<uintptr_t>(layout.untyped_data()) % alignof(int64_t) != 0) {
     return Invalid(op, "layout buffer is not 8-byte aligned");

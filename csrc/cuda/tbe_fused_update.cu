@@ -12,12 +12,13 @@
 //      kernel sums each window's head (the part of a run that began in an earlier
 //      window) into a scratch row, and the run's own warp sums its first window and
 //      then adds those partial rows, in window order;
-//   2. loads the row's weights and optimizer state, applies UpdateRow
-//      (common/fused_optimizer.h; row sums are warp shuffles), and
+//   2. loads the row's weights and optimizer state (Adam's family: before step 1),
+//      applies UpdateRow (common/fused_optimizer.h; row sums are warp shuffles), and
 //   3. stores the row and its state once, unless a value would not stay finite
 //      (RowStaysFinite): then the row keeps its values and nonfinite_rows counts it.
-// A run whose head is not a row of its feature's table (EntryOk) is skipped: the
-// wrapper already gives such positions the sentinel key, and with gradient clipping
+// The row is the run's key less its feature's first row (the layout's first_rows), as
+// in FBGEMM's backward; a run whose key is not a row of its head's feature's table is
+// skipped: the wrapper already gives such positions the sentinel key, and with gradient clipping
 // applied by the wrapper to grad_output (as FBGEMM does) the row math has none.
 // No floating-point atomics: deterministic run to run. The weights and state arrive as results that
 // alias their operands (input_output_aliases), so under buffer donation the update is

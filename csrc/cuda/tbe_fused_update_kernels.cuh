@@ -156,32 +156,77 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   }
 }
 
+// Whether kernel kKind gives rows of up to 128 columns to groups of 8 lanes (four rows per
+// warp) rather than a warp each. Measured on an H100 at T=32, E=1e6, D=128, B=4096, L=20
+// (benchmarks/results/fused_update_row_groups_h100_2026-11-26.json): SGD 1.50 vs 1.61 ms,
+// rowwise Adagrad 1.74 vs 2.07 (its per-row state is one more dependent load, which the
+// four rows of a warp overlap); but Adagrad 3.41 vs 2.51 and Adam 5.29 vs 3.79: rows with
+// per-element state need twice the registers in a group, and the fewer warps lose more
+// than the groups gain.
+constexpr bool RowGroups(OptimizerKind kind) {
+  return (NumStates(kind) < 1 || State1PerRow(kind)) && (NumStates(kind) < 2 || State2PerRow(kind));
+}
+
 // Sorted entry i goes to group i % (32 / kLanes) of warp i / (32 / kLanes); a group whose
 // entry heads a run updates that run's row, the others idle along (no lane leaves before
 // the last shuffle). Several rows per warp (RowGroups): each row's loads wait on the
 // loads before them, and a warp of four groups keeps four such chains in flight.
 template <OptimizerKind kKind, int kLanes, int kChunks, typename W, typename I>
 __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
-    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ indices,
-                const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
-                const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags, FusedArgs a) {
+    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ offsets,
+                const I* __restrict__ sorted_keys, const I* __restrict__ sorted_positions,
+                const I* __restrict__ sorted_bags, FusedArgs a) {
   constexpr int kGroups = kWarpSize / kLanes;
   const BackwardArgs& ga = a.grad;
   GroupRow<kLanes, kChunks> row(threadIdx.x);
   const int64_t i = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kGroups + row.group;
   bool active = i < ga.num_indices;
   const I key = active ? sorted_keys[i] : I{0};
-  active = active && key != std::numeric_limits<I>::max() && !(i > 0 && sorted_keys[i - 1] == key) &&
-           EntryOk(ga, indices, sorted_positions[i], sorted_bags[i]);  // a row of its table
-  if (!__any_sync(0xffffffff, active)) return;                         // the whole warp
+  active = active && key != std::numeric_limits<I>::max() && !(i > 0 && sorted_keys[i - 1] == key);
+  const int64_t bag = active ? static_cast<int64_t>(sorted_bags[i]) : 0;
+  active = active && RunEntryOk(ga, sorted_positions[i], bag);
+  // The row comes from the key, as FBGEMM's backward does (key - the table's first row),
+  // not from indices[position]: one dependent load less before the row's loads. Inside
+  // the feature's table whatever the key (RowInRange); the wrapper's keys are the ids'.
+  const int64_t f0 = active ? bag / ga.batch_size : 0;
+  const int64_t id = static_cast<int64_t>(key) - (active ? ga.first_rows[f0] : 0);
+  active = active && RowInRange(id, ga.rows[f0]);
+  if (!__any_sync(0xffffffff, active)) return;  // the whole warp
 
   int64_t row_start = 0;
   row.dim = 0;  // an idle group: no column is valid, nothing is loaded or stored
   if (active) {
-    const int64_t f0 = sorted_bags[i] / ga.batch_size;
     row.dim = ga.dims[f0];
-    row_start = ga.table_offsets[f0] + static_cast<int64_t>(indices[sorted_positions[i]]) * row.dim;
+    row_start = ga.table_offsets[f0] + id * row.dim;
   }
+
+  // Weights and optimizer state in. Adam's and LAMB's kernels (two states a column)
+  // issue these loads before the gradient sum, where they overlap its loads; the others
+  // load them after it, where fewer registers stay live through the sum. Loading first,
+  // measured on an H100 at issue 20's shape: Adam 0.95x the time, rowwise Adagrad 1.00x,
+  // Adagrad 1.05x, SGD 1.07x (docs/fused.md).
+  constexpr bool kLoadRowFirst = NumStates(kKind) == 2 && !State1PerRow(kKind) && !State2PerRow(kKind);
+  constexpr bool kS1Row = State1PerRow(kKind), kS2Row = State2PerRow(kKind);
+  constexpr int kStates = NumStates(kKind);
+  float s1_row = 0.f, s2_row = 0.f;
+  const auto LoadRow = [&] {
+#pragma unroll
+    for (int k = 0; k < kChunks; ++k) {
+      const int64_t c = row.Column(4 * k);
+      const bool in = c < row.dim;
+      const int count = in ? ColumnsLeft(row.dim, c) : 0;
+      Put4(row.w + 4 * k, in ? LoadAny4(weights + row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+      if constexpr (kStates >= 1 && !kS1Row) {
+        Put4(row.s1 + 4 * k, in ? a.state1.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+      if constexpr (kStates >= 2 && !kS2Row) {
+        Put4(row.s2 + 4 * k, in ? a.state2.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
+      }
+    }
+    if constexpr (kS1Row) s1_row = active ? a.state1.Load(key) : 0.f;
+    if constexpr (kS2Row) s2_row = active ? a.state2.Load(key) : 0.f;
+  };
+  if constexpr (kLoadRowFirst) LoadRow();
 
   // 1. The row's summed gradient, in sorted order: the run's entries in its first window,
   // then the head sums of the windows it continues into.
@@ -201,26 +246,8 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
     }
   }
 
-  // 2. Weights and state in, the optimizer, 3. out.
-  constexpr bool kS1Row = State1PerRow(kKind), kS2Row = State2PerRow(kKind);
-  constexpr int kStates = NumStates(kKind);
-#pragma unroll
-  for (int k = 0; k < kChunks; ++k) {
-    const int64_t c = row.Column(4 * k);
-    const bool in = c < row.dim;
-    const int count = in ? ColumnsLeft(row.dim, c) : 0;
-    Put4(row.w + 4 * k, in ? LoadAny4(weights + row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
-    if constexpr (kStates >= 1 && !kS1Row) {
-      Put4(row.s1 + 4 * k, in ? a.state1.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
-    }
-    if constexpr (kStates >= 2 && !kS2Row) {
-      Put4(row.s2 + 4 * k, in ? a.state2.Load4(row_start + c, count) : make_float4(0.f, 0.f, 0.f, 0.f));
-    }
-  }
-  float s1_row = 0.f, s2_row = 0.f;
-  if constexpr (kS1Row) s1_row = active ? a.state1.Load(key) : 0.f;
-  if constexpr (kS2Row) s2_row = active ? a.state2.Load(key) : 0.f;
-
+  // 2. Weights and state in (unless loaded before step 1), the optimizer, 3. out.
+  if constexpr (!kLoadRowFirst) LoadRow();
   RowUpdateArgs ua;
   ua.h = Hyperparams::Load(a.hparams);
   const int32_t new_step = *a.step + 1;
@@ -261,17 +288,6 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   }
 }
 
-// Whether kernel kKind gives rows of up to 128 columns to groups of 8 lanes (four rows per
-// warp) rather than a warp each. Measured on an H100 at T=32, E=1e6, D=128, B=4096, L=20
-// (benchmarks/results/fused_update_row_groups_h100_2026-11-26.json): SGD 1.50 vs 1.61 ms,
-// rowwise Adagrad 1.74 vs 2.07 (its per-row state is one more dependent load, which the
-// four rows of a warp overlap); but Adagrad 3.41 vs 2.51 and Adam 5.29 vs 3.79: rows with
-// per-element state need twice the registers in a group, and the fewer warps lose more
-// than the groups gain.
-constexpr bool RowGroups(OptimizerKind kind) {
-  return (NumStates(kind) < 1 || State1PerRow(kind)) && (NumStates(kind) < 2 || State2PerRow(kind));
-}
-
 // A row of up to 32 columns (one float4 per lane of a group or warp), up to 128 (four
 // float4 per lane of a group of 8 lanes; one per lane of a warp), up to 512, up to 1024.
 template <OptimizerKind kKind, typename W, typename I>
@@ -280,9 +296,9 @@ void LaunchFused(const Launch& l, int max_dim, const FusedArgs& a) {
     const int64_t per_block = int64_t{kWarpsPerBlock} * (kWarpSize / lanes);
     const auto blocks = static_cast<unsigned>((a.grad.num_indices + per_block - 1) / per_block);
     kernel<<<blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
-        l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.indices),
-        static_cast<const I*>(l.offsets), static_cast<const I*>(l.sorted_keys),
-        static_cast<const I*>(l.sorted_positions), static_cast<const I*>(l.sorted_bags), a);
+        l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.offsets),
+        static_cast<const I*>(l.sorted_keys), static_cast<const I*>(l.sorted_positions),
+        static_cast<const I*>(l.sorted_bags), a);
   };
   constexpr int kSmall = RowGroups(kKind) ? 8 : kWarpSize;  // lanes per row of <= 128 columns
   if (max_dim <= 4 * kSmall) {

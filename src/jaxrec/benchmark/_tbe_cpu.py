@@ -49,7 +49,8 @@ def cpu_config(T: int, **shape: int) -> dict[str, Any]:
 
 
 def packed_layout(T, E, D):
-    values = [t * E * D for t in range(T)] + [D] * T + [E] * T + [t * D for t in range(T + 1)]
+    values = ([t * E * D for t in range(T)] + [D] * T + [E] * T + [t * E for t in range(T)]
+              + [t * D for t in range(T + 1)])
     return np.array(values, np.int64).view(np.int32)
 
 

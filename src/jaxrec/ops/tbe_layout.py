@@ -161,7 +161,8 @@ class TableLayout:
         """The int32 layout operand of the kernels (``csrc/common/tbe.h``)."""
         offsets = self.table_offsets
         values = np.array([offsets[t] for t in self.feature_table_map] + list(self.feature_dims)
-                          + list(self.feature_rows) + list(self.output_offsets), np.int64)
+                          + list(self.feature_rows) + list(self.feature_first_rows)
+                          + list(self.output_offsets), np.int64)
         return values.view(np.int32)
 
     def split_embedding_weights(self, weights: jax.Array) -> list[jax.Array]:
