@@ -32,6 +32,7 @@ from jaxrec import _ffi
 from jaxrec.benchmark._environment import cpu_model, environment, machine_info, optional_import
 from jaxrec.benchmark._measure import NUM_ID_SETS, interleaved_medians, lookup_bytes
 from jaxrec.benchmark._report import cpu_line, write_json
+from jaxrec.ops import TableLayout
 
 SHAPE = dict(E=100_000, D=128, B=512, L=20)
 """Rows per table, dimension, batch and bag length of a full run (T varies)."""
@@ -48,12 +49,6 @@ def cpu_config(T: int, **shape: int) -> dict[str, Any]:
     return dict(T=T, **{**SHAPE, **shape}, dtype="float32", ids="uniform")
 
 
-def packed_layout(T, E, D):
-    values = ([t * E * D for t in range(T)] + [D] * T + [E] * T + [t * E for t in range(T)]
-              + [t * D for t in range(T + 1)])
-    return np.array(values, np.int64).view(np.int32)
-
-
 def _max_abs_diff(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
 
@@ -62,7 +57,7 @@ def jaxrec_and_xla_steps(cfg, weights_np, id_sets, cotangent):
     """({name: step(i)}, jaxrec's forward output on set 0, the check against XLA)."""
     T, E, D, B, L = (cfg[k] for k in "TEDBL")
     weights = jnp.asarray(weights_np)
-    layout = jnp.asarray(packed_layout(T, E, D))
+    layout = jnp.asarray(TableLayout(rows=(E,) * T, dims=(D,) * T, feature_table_map=tuple(range(T))).packed())
     offsets = jnp.arange(T * B + 1, dtype=jnp.int32) * L
     psw = jnp.zeros((0,), jnp.float32)
     g = jnp.asarray(cotangent)
