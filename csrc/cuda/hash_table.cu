@@ -577,8 +577,9 @@ struct Work {
     heads = c.Take<int32_t>(n);
     run_of = c.Take<int32_t>(n);
     groups = c.Take<int2>(n / 2 + 1);
-    num_groups = c.Take<int32_t>(kCounters);  // num_groups, then the runs' count and the new runs'
-    count = num_groups + 1;
+    counters = c.Take<int32_t>(kCounters);  // PrepareSort zeroes them
+    num_groups = counters;
+    count = counters + 1;
     runs = Runs<I>{count,
                    c.Take<I>(n),
                    c.Take<int32_t>(n),
@@ -588,13 +589,13 @@ struct Work {
                    c.Take<int32_t>(n),
                    c.Take<int32_t>(n),
                    c.Take<int32_t>(n),
-                   num_groups + 2};
+                   counters + 2};  // num_new
     cub_storage = c.Take<char>(static_cast<int64_t>(cub_bytes));
     bytes = c.used();
   }
   H *hashes, *sorted_hashes;
   uint32_t *sort_keys, *sorted_keys;
-  int32_t *iota, *order, *tables, *heads, *run_of, *num_groups, *count;
+  int32_t *iota, *order, *tables, *heads, *run_of, *counters, *num_groups, *count;
   int2* groups;
   Runs<I> runs;
   char* cub_storage;
@@ -636,7 +637,7 @@ ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
 
   const unsigned blocks = Blocks(n, kThreads);
   PrepareSort<I, H><<<blocks, kThreads, 0, stream>>>(ids, valid, table_of, n, num_ranges, range_bits,
-                                                     w.hashes, w.sort_keys, w.iota, w.heads, w.num_groups);
+                                                     w.hashes, w.sort_keys, w.iota, w.heads, w.counters);
   size_t bytes = cub_bytes;
   cudaError_t err = cub::DeviceRadixSort::SortPairs(w.cub_storage, bytes, w.sort_keys, w.sorted_keys, w.iota,
                                                     w.order, items, 0, 32, stream);
