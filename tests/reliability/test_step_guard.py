@@ -350,3 +350,20 @@ def test_monitor_counts_through_the_latch_wraparound():
     monitor.issued((), latch(3, 2, -2**31 + 4, -2**31 + 2), [])
     assert monitor.stats() == {"steps": 3, "nonfinite_steps": 2, "ids_corrected": 2**31 + 4,
                                "nonfinite_rows": 2**31 + 2}
+
+
+@pytest.mark.parametrize("donate", [True, False])
+def test_the_latch_keeps_one_buffer_and_its_counts(donate):
+    # The steps donate the latch whatever `donate` says: a new buffer every step makes XLA
+    # re-record each command buffer (CUDA graph) that reads or writes it (_step_guard).
+    rng = np.random.default_rng(5)
+    model = model_of(RowWiseAdagrad(learning_rate=0.1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = make_train_step(bce, donate=donate, on_nonfinite="skip")
+    step(model, optimizer, *batch_of(rng))
+    pointer = step._monitor.latch().unsafe_buffer_pointer()
+    for i in range(20):  # past a read (every 16th step) of a copy of the latch
+        step(model, optimizer, *batch_of(rng, nan_dense=i in (3, 17)))
+        assert step._monitor.latch().unsafe_buffer_pointer() == pointer
+    assert step.stats() == {"steps": 21, "nonfinite_steps": 2, "ids_corrected": 0,
+                            "nonfinite_rows": 0}

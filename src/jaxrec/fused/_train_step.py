@@ -188,5 +188,6 @@ def make_functional_train_step(loss_fn, dense_optimizer: optax.GradientTransform
     messages: list = []
     step = guarded_update(loss_fn, dense_optimizer, has_aux=has_aux, on_nonfinite=on_nonfinite,
                           messages=messages)
-    jitted = jax.jit(step, donate_argnums=(0, 1, 2) if donate else ())
+    # the latch (3) always: see _step_guard.StepMonitor
+    jitted = jax.jit(step, donate_argnums=(0, 1, 2, 3) if donate else (3,))
     return FunctionalTrainStep(jitted, messages, _step_guard.StepMonitor())

@@ -195,7 +195,9 @@ class TrainStep:
             out_specs = (*state_specs[:4], P(), P(axis), P(), P())
             body = jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                                  check_vma=False)
-        return jax.jit(body, donate_argnums=(0, 1, 2, 3) if self._donate else ()), messages
+        # the latch (4) always: see _step_guard.StepMonitor
+        donated = (0, 1, 2, 3, 4) if self._donate else (4,)
+        return jax.jit(body, donate_argnums=donated), messages
 
     def check(self) -> None:
         self._monitor.check()
