@@ -332,7 +332,7 @@ class StepMonitor:
 
     def check(self) -> None:
         """Waits for every issued step and raises what they found, if anything."""
-        if self._issued:
+        if self._issued and not self._latch.is_deleted():  # deleted: its step failed, and said so
             self._copying.clear()
             self._read(self._issued[-1]._replace(latch=self._latch))
 

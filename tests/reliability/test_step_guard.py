@@ -367,3 +367,18 @@ def test_the_latch_keeps_one_buffer_and_its_counts(donate):
         assert step._monitor.latch().unsafe_buffer_pointer() == pointer
     assert step.stats() == {"steps": 21, "nonfinite_steps": 2, "ids_corrected": 0,
                             "nonfinite_rows": 0}
+
+
+def test_a_latch_lost_with_a_failed_step_is_replaced():
+    # A step that fails after donating its latch raises to the caller; the monitor then
+    # neither reads the deleted latch nor hands it to the next step.
+    from jaxrec import _step_guard
+    monitor = _step_guard.StepMonitor()
+    monitor.issued((), jnp.asarray([0, 0, 0, 1, 2, 0], jnp.int32), [])
+    assert monitor.stats()["nonfinite_steps"] == 1
+    lost = jnp.asarray([1, 0, 0, 1, 2, 0], jnp.int32)
+    monitor.issued((), lost, [])
+    lost.delete()
+    monitor.check()
+    fresh = monitor.latch()
+    np.testing.assert_array_equal(fresh, [2, 0, 0, 1, 2, 0])  # the counts last read
