@@ -134,7 +134,6 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
                  window_blocks,
                  grad.typed_data<float>(),
                  weights_out->untyped_data(),
-                 indices.untyped_data(),
                  offsets.untyped_data(),
                  sorted_keys.untyped_data(),
                  sorted_positions.untyped_data(),

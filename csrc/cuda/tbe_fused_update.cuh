@@ -96,7 +96,6 @@ struct Launch {
   unsigned window_blocks;  // of WindowHeads (LaunchWindowHeads)
   const float* grad;
   void* weights;
-  const void* indices;
   const void* offsets;
   const void* sorted_keys;
   const void* sorted_positions;

@@ -234,10 +234,11 @@ def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
     bad_input, nonfinite, corrected, kept_rows = counts[0] > 0, counts[1] > 0, counts[2], counts[3]
     was_halted = trace.halted
     # A reduction, not ~(a | b | c): XLA would copy that cheap scalar's computation, and with
-    # it the latch, into the kernel of every leaf's select below. The latch is a new buffer
-    # every step, and XLA updates every kernel of its command buffers (CUDA graphs) whose
-    # arguments moved: the row-wise DLRM step's dispatch took 1.16-1.38 ms instead of
-    # 0.84-0.88 on an H100 (docs/parallel.md).
+    # it the latch, into the kernel of every leaf's select below. While the latch was a new
+    # buffer every step (before the steps donated it, see StepMonitor), XLA re-recorded
+    # every such kernel of its command buffers (CUDA graphs) each step: the row-wise DLRM
+    # step's dispatch took 1.16-1.38 ms instead of 0.84-0.88 on an H100 (docs/parallel.md).
+    # The plain expression has not been measured since the donation.
     applied = jnp.max(jnp.stack([bad_input, nonfinite, was_halted]).astype(jnp.int32)) == 0
     if trace.policy != "ignore" or trace.fatal:
         new = jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
@@ -267,8 +268,6 @@ class _Issued(NamedTuple):
 # ~25 us of host time) and reads it once that step has finished: the read then finds the
 # bytes on the host and costs no round trip. The latch keeps a late read exact.
 _READ_EVERY = 16
-
-_copy = jax.jit(lambda x: x.copy())
 
 
 class StepMonitor:
@@ -321,7 +320,7 @@ class StepMonitor:
         """After issuing step ``self.steps`` (its FATAL reports and the latch it returned)."""
         copy = None
         if self.steps % _READ_EVERY == _READ_EVERY - 1:
-            copy = _copy(latch)
+            copy = jnp.copy(latch)
             copy.copy_to_host_async()
         entry = _Issued(self.steps, copy, fatal, messages)
         self._issued.append(entry)
