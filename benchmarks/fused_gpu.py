@@ -11,8 +11,9 @@ bags of L uniform random ids, duplicates included):
 * forward: ``embedding_bag_lookup`` alone.
 * fused_<opt>: ``jaxrec.fused.fused_update`` alone (the backward with the optimizer fused
   in), weights and state donated, from a precomputed random ``grad_output``.
-* sort_keys: the part of fused_update that XLA runs before the kernel (bags, row keys, their
-  sort), with whether the compiled sort is CUB's radix sort.
+* sort_keys: XLA's sort of the same (row key, position) pairs (bags, row keys, their sort;
+  ``sort_by_row_reference``, what the dense backward runs), with whether the compiled sort is
+  CUB's radix sort. The fused update sorts inside its handler, a part of fused_<opt>.
 * step_<opt>: a whole step from ``make_functional_train_step`` (donated): fused lookup, a small dense
   part (loss = mean((acts @ v)^2), optax SGD on v), the fused update of the tables.
 * peers, each a whole step of the same loss, jitted and donated: jax_exact_rowwise_adagrad
@@ -326,7 +327,7 @@ def jax_measurements(c, layout, offsets, batches, grads, weights):
         except Exception as err:  # noqa: BLE001
             skipped[name] = f"{type(err).__name__}: {str(err)[:300]}"
 
-    # The part of the fused backward that XLA does: bags, row keys and their sort.
+    # XLA's sort of the row keys (the dense backward's; the fused update sorts in its handler).
     sort = jax.jit(lambda i, o: sort_by_row_reference(layout, i, o))
     try:
         times["sort_keys"] = jax_time(lambda i: sort(*batches[i]), c["iters"])

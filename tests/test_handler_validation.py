@@ -1,7 +1,8 @@
 """The CPU and CUDA handlers of the TBE ops accept and reject the same operands.
 
 Every handler of jaxrec_tbe_forward, jaxrec_tbe_backward (on CUDA jaxrec_tbe_backward_sorted,
-which also takes the sorted positions) and jaxrec_tbe_fused_update first runs the validation
+which also takes the sorted positions) and jaxrec_tbe_fused_update (which sorts them itself)
+first runs the validation
 shared by both libraries (csrc/common/tbe_validate.h). These tests call the FFI targets
 directly, past the Python wrappers' own checks, with one operand, result or attribute made
 bad, and read the handler's message; on a GPU the CUDA handler must give the CPU's message
@@ -109,15 +110,16 @@ def backward(platform: str) -> Call:
 
 
 def fused_update(platform: str) -> Call:
-    del platform  # the same operands on both
+    del platform  # the same operands on both (each handler sorts the positions itself)
     operands = dict(grad_output=GRAD_OUTPUT, weights=WEIGHTS, indices=INDICES, offsets=OFFSETS,
-                    per_sample_weights=PSW, layout=packed_layout(), **sorted_positions(),
+                    per_sample_weights=PSW, layout=packed_layout(),
                     state1=np.zeros(NUM_WEIGHTS, np.float32), state2=np.zeros(NUM_WEIGHTS, np.float32),
                     hparams=HPARAMS, step=np.int32(0))
     results = dict(weights=f32(NUM_WEIGHTS), state1=f32(NUM_WEIGHTS), state2=f32(NUM_WEIGHTS),
                    grad_per_sample_weights=f32(N), nonfinite_rows=jax.ShapeDtypeStruct((), np.int32))
     attrs = dict(optimizer=np.int32(ADAM), pooling=np.int32(SUM), weight_decay_mode=np.int32(0),
-                 stochastic_rounding=np.int32(0), seed=np.int32(0), max_dim=np.int32(max(DIMS)))
+                 stochastic_rounding=np.int32(0), seed=np.int32(0), max_dim=np.int32(max(DIMS)),
+                 total_rows=np.int64(sum(ROWS)))
     return Call("jaxrec_tbe_fused_update", operands, results, attrs)
 
 
@@ -136,7 +138,8 @@ def result(name: str, shape: tuple[int, ...], dtype=np.float32) -> Callable[[Cal
 
 
 def attr(name: str, value: int) -> Callable[[Call], None]:
-    return lambda c: c.attrs.__setitem__(name, np.int32(value))
+    """Attribute `name` set to `value`, in the attribute's own integer type."""
+    return lambda c: c.attrs.__setitem__(name, type(c.attrs[name])(value))
 
 
 def state(which: int, array: np.ndarray) -> Callable[[Call], None]:
@@ -197,10 +200,10 @@ CASES = [  # (ops, id, mutation, the shared validation's message)
      "grad_weights must be float32 with one element per weight (31)"),
     (GRADS, "grad-psw", result("grad_per_sample_weights", (N - 1,)),
      "grad_per_sample_weights must be float32 like per_sample_weights (5 elements)"),
-    (("fused_update",), "sorted-dtype", operand("sorted_positions", lambda p: p.astype(np.int16)),
-     "sorted_keys, sorted_positions and sorted_bags must have the dtype and size of indices (int32, 5)"),
-    (("fused_update",), "sorted-size", operand("sorted_keys", lambda k: k[:-1]),
-     "sorted_keys, sorted_positions and sorted_bags must have the dtype and size of indices (int32, 5)"),
+    (("fused_update",), "total-rows-negative", attr("total_rows", -1),
+     "total_rows must be the tables' row count in [0, 2147483647] (int32 row keys), got -1"),
+    (("fused_update",), "total-rows-past-int32", attr("total_rows", 2**31),
+     "total_rows must be the tables' row count in [0, 2147483647] (int32 row keys), got 2147483648"),
     (("fused_update",), "hparams", operand("hparams", lambda h: h[:8]),
      "hparams must be float32[9] (OptimizerHyperparams' fields in order)"),
     (("fused_update",), "step", operand("step", lambda s: np.zeros(2, np.int32)), "step must be an int32 scalar"),
@@ -225,8 +228,13 @@ CASES = [  # (ops, id, mutation, the shared validation's message)
      "state2 has 0 elements; this optimizer needs one per weight (31); build it with jaxrec.optim.init_state"),
     (("fused_update",), "row-state-missing",
      both(attr("optimizer", ROWWISE_ADAGRAD), state(1, np.zeros(0, np.float32)), state(2, np.zeros(0, np.float32))),
-     "state1 has 0 elements; this optimizer needs one per table row (sum of the tables' rows); build it with "
-     "jaxrec.optim.init_state"),
+     "state1 has 0 elements; this optimizer needs one per table row (9, the sum of the tables' rows); build it "
+     "with jaxrec.optim.init_state"),
+    (("fused_update",), "row-state-short",
+     both(attr("optimizer", ROWWISE_ADAGRAD), state(1, np.zeros(sum(ROWS) - 1, np.float32)),
+          state(2, np.zeros(0, np.float32))),
+     "state1 has 8 elements; this optimizer needs one per table row (9, the sum of the tables' rows); build it "
+     "with jaxrec.optim.init_state"),
 ]
 
 
@@ -293,3 +301,11 @@ def test_valid_call_passes(platform, op):
             assert np.array_equal(_table_row(new_weights, table, row), _table_row(WEIGHTS, table, row))
         for table, row in [(0, 0), (0, 1), (0, 2), (1, 3), (1, 4)]:
             assert not np.array_equal(_table_row(new_weights, table, row), _table_row(WEIGHTS, table, row))
+
+
+def test_cpu_checks_total_rows_against_the_layout():
+    """The layout's rows lie in host memory only on the CPU; the CUDA handler sorts keys
+    below total_rows and drops the rest, never indexing a per-row state past it."""
+    assert _ffi.has_kernel("cpu"), "jaxrec has no cpu handlers (jaxrec.build_info())"
+    message = rejection("cpu", "fused_update", attr("total_rows", sum(ROWS) - 1))
+    assert message == "total_rows is 8 but the layout's features read rows up to 9"

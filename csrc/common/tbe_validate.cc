@@ -1,6 +1,7 @@
 #include "common/tbe_validate.h"
 
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <string_view>
 
@@ -103,7 +104,7 @@ ffi::Error ValidateGradPerSampleWeights(std::string_view op, ffi::AnyBuffer per_
 
 // State operand `which` (1 or 2) and its result; `used` and `per_row` come from the optimizer.
 ffi::Error ValidateState(std::string_view op, int which, ffi::AnyBuffer state, ffi::AnyBuffer result,
-                         bool used, bool per_row, int64_t num_weights) {
+                         bool used, bool per_row, int64_t num_weights, int64_t total_rows) {
   const std::string name = "state" + std::to_string(which);
   if (result.element_type() != state.element_type() || result.element_count() != state.element_count()) {
     return Invalid(op, name + " result must have the dtype and size of the " + name + " operand");
@@ -111,8 +112,8 @@ ffi::Error ValidateState(std::string_view op, int which, ffi::AnyBuffer state, f
   if (!used) return ffi::Error::Success();
   if (!IsFloatType(state.element_type())) return Invalid(op, FloatTypeMessage(name, state.element_type()));
   const int64_t count = state.element_count();
-  if (per_row) {  // one per table row: at least one when there are weights (the CPU checks the keys)
-    if (count == 0 && num_weights > 0) return Invalid(op, PerRowStateMessage(which, count));
+  if (per_row) {  // one per table row: the kernels index it by row key, which is < total_rows
+    if (count < total_rows) return Invalid(op, PerRowStateMessage(which, count, total_rows));
   } else if (count != num_weights) {
     return Invalid(op, name + " has " + std::to_string(count) +
                            " elements; this optimizer needs one per weight (" + std::to_string(num_weights) +
@@ -133,10 +134,10 @@ std::string ShapeString(ffi::AnyBuffer::Dimensions dims) {
   return s + "]";
 }
 
-std::string PerRowStateMessage(int which, int64_t count) {
+std::string PerRowStateMessage(int which, int64_t count, int64_t total_rows) {
   return "state" + std::to_string(which) + " has " + std::to_string(count) +
-         " elements; this optimizer needs one per table row (sum of the tables' rows); build it with "
-         "jaxrec.optim.init_state";
+         " elements; this optimizer needs one per table row (" + std::to_string(total_rows) +
+         ", the sum of the tables' rows); build it with jaxrec.optim.init_state";
 }
 
 ffi::Error ValidateForward(std::string_view op, ffi::AnyBuffer weights, ffi::AnyBuffer indices,
@@ -190,12 +191,11 @@ ffi::Error ValidateSorted(std::string_view op, ffi::AnyBuffer indices, ffi::AnyB
 ffi::Error ValidateFusedUpdate(std::string_view op, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
                                ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                                ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
-                               ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
-                               ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
-                               ffi::AnyBuffer hparams, ffi::AnyBuffer step, ffi::AnyBuffer weights_out,
-                               ffi::AnyBuffer state1_out, ffi::AnyBuffer state2_out,
-                               ffi::AnyBuffer grad_per_sample_weights, ffi::AnyBuffer nonfinite_rows,
-                               int32_t optimizer, int32_t pooling, int32_t weight_decay_mode, int32_t max_dim,
+                               ffi::AnyBuffer state1, ffi::AnyBuffer state2, ffi::AnyBuffer hparams,
+                               ffi::AnyBuffer step, ffi::AnyBuffer weights_out, ffi::AnyBuffer state1_out,
+                               ffi::AnyBuffer state2_out, ffi::AnyBuffer grad_per_sample_weights,
+                               ffi::AnyBuffer nonfinite_rows, int32_t optimizer, int32_t pooling,
+                               int32_t weight_decay_mode, int32_t max_dim, int64_t total_rows,
                                TbeBatch* batch) {
   if (ffi::Error error =
           ValidateLookup(op, weights, indices, offsets, per_sample_weights, layout, pooling, batch);
@@ -206,9 +206,13 @@ ffi::Error ValidateFusedUpdate(std::string_view op, ffi::AnyBuffer grad_output, 
     return Invalid(op, "grad_output must be float32, got " + DtypeName(grad_output.element_type()));
   }
   if (ffi::Error error = ValidateRows(op, "grad_output", grad_output, *batch); error.failure()) return error;
-  if (ffi::Error error = ValidateSorted(op, indices, sorted_keys, sorted_positions, sorted_bags);
-      error.failure()) {
-    return error;
+  const int64_t max_key = indices.element_type() == ffi::DataType::S32
+                              ? int64_t{std::numeric_limits<int32_t>::max()}
+                              : std::numeric_limits<int64_t>::max();
+  if (total_rows < 0 || total_rows > max_key) {  // every key < total_rows, below the sentinel (max)
+    return Invalid(op, "total_rows must be the tables' row count in [0, " + std::to_string(max_key) + "] (" +
+                           DtypeName(indices.element_type()) + " row keys), got " +
+                           std::to_string(total_rows));
   }
   if (hparams.element_type() != ffi::DataType::F32 || hparams.element_count() != 9) {
     return Invalid(op, "hparams must be float32[9] (OptimizerHyperparams' fields in order)");
@@ -240,12 +244,13 @@ ffi::Error ValidateFusedUpdate(std::string_view op, ffi::AnyBuffer grad_output, 
   }
   const auto kind = static_cast<OptimizerKind>(optimizer);
   const int64_t num_weights = weights.element_count();
-  if (ffi::Error error =
-          ValidateState(op, 1, state1, state1_out, NumStates(kind) >= 1, State1PerRow(kind), num_weights);
+  if (ffi::Error error = ValidateState(op, 1, state1, state1_out, NumStates(kind) >= 1, State1PerRow(kind),
+                                       num_weights, total_rows);
       error.failure()) {
     return error;
   }
-  return ValidateState(op, 2, state2, state2_out, NumStates(kind) >= 2, State2PerRow(kind), num_weights);
+  return ValidateState(op, 2, state2, state2_out, NumStates(kind) >= 2, State2PerRow(kind), num_weights,
+                       total_rows);
 }
 
 }  // namespace jaxrec

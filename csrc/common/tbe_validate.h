@@ -8,8 +8,8 @@
 // Checked here is everything a handler knows without reading an operand's memory: the
 // attributes, and the dtypes, ranks and sizes of the operands and results (the layout's
 // T comes from its size). The values of the layout (each table inside the weights,
-// output columns, no overlap), of the offsets (non-decreasing, inside [0, N]) and of
-// the sorted keys (against a per-row state) lie in device memory on the GPU, where
+// output columns, no overlap, its rows below total_rows) and of the offsets
+// (non-decreasing, inside [0, N]) lie in device memory on the GPU, where
 // reading them would stall the stream: only the CPU handlers check them, after this
 // (cpu/tbe_cpu_util.h). On the GPU the wrappers build those operands, and the kernels
 // never read or write outside a feature's table whatever they hold (common/tbe.h).
@@ -48,25 +48,25 @@ ffi::Error ValidateBackward(std::string_view op, ffi::AnyBuffer grad_output, ffi
                             ffi::AnyBuffer layout, ffi::AnyBuffer grad_weights,
                             ffi::AnyBuffer grad_per_sample_weights, int32_t pooling, TbeBatch* batch);
 
-// The positions sorted by row key (the CUDA backward and both fused updates take them).
+// The positions sorted by row key (the CUDA backward takes them).
 ffi::Error ValidateSorted(std::string_view op, ffi::AnyBuffer indices, ffi::AnyBuffer sorted_keys,
                           ffi::AnyBuffer sorted_positions, ffi::AnyBuffer sorted_bags);
 
-// Also the optimizer's kind, weight-decay mode and state buffers: per-element state has
-// one element per weight; per-row state is checked against the largest sorted key by
-// the CPU handler (it needs the keys' values).
+// Also the optimizer's kind, weight-decay mode and state buffers, and total_rows (the
+// tables' row count, which the handlers sort the row keys below; the CPU handler checks
+// it against the layout): per-element state has one element per weight, per-row state at
+// least total_rows.
 ffi::Error ValidateFusedUpdate(std::string_view op, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
                                ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
                                ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
-                               ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
-                               ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
-                               ffi::AnyBuffer hparams, ffi::AnyBuffer step, ffi::AnyBuffer weights_out,
-                               ffi::AnyBuffer state1_out, ffi::AnyBuffer state2_out,
-                               ffi::AnyBuffer grad_per_sample_weights, ffi::AnyBuffer nonfinite_rows,
-                               int32_t optimizer, int32_t pooling, int32_t weight_decay_mode, int32_t max_dim,
+                               ffi::AnyBuffer state1, ffi::AnyBuffer state2, ffi::AnyBuffer hparams,
+                               ffi::AnyBuffer step, ffi::AnyBuffer weights_out, ffi::AnyBuffer state1_out,
+                               ffi::AnyBuffer state2_out, ffi::AnyBuffer grad_per_sample_weights,
+                               ffi::AnyBuffer nonfinite_rows, int32_t optimizer, int32_t pooling,
+                               int32_t weight_decay_mode, int32_t max_dim, int64_t total_rows,
                                TbeBatch* batch);
 
-// The per-row state message, shared with the CPU handler's check against the keys.
-std::string PerRowStateMessage(int which, int64_t count);
+// The per-row state message.
+std::string PerRowStateMessage(int which, int64_t count, int64_t total_rows);
 
 }  // namespace jaxrec

@@ -4,19 +4,17 @@
 // the jnp reference is jaxrec.optim.fused_update_reference.
 //
 // Operands: grad_output (F32, the forward output's shape), weights (F32/F16/BF16, flat),
-// indices, offsets, per_sample_weights ([N] or [0]), layout, sorted_keys,
-// sorted_positions, sorted_bags (the positions sorted by table row: see below),
-// state1, state2 (F32/F16/BF16, or [0] when the optimizer has fewer), hparams (F32[9]),
-// step (S32 scalar: updates so far). Results: weights, state1, state2 (aliased to their
-// operands by the wrapper; updated in place) and grad_per_sample_weights (F32 [N] or
-// [0], from the weights *before* the update) and nonfinite_rows (S32 scalar: the rows
-// kept because their update would not stay finite; common/fused_optimizer.h). Attributes: optimizer, pooling,
-// weight_decay_mode, stochastic_rounding, seed, max_dim (the layout's largest dim,
-// checked). FBGEMM's gradient clipping is applied by the wrapper, to grad_output.
+// indices, offsets, per_sample_weights ([N] or [0]), layout, state1, state2 (F32/F16/BF16, or [0] when the
+// optimizer has fewer), hparams (F32[9]), step (S32 scalar: updates so far). Results: weights, state1, state2
+// (aliased to their operands by the wrapper; updated in place) and grad_per_sample_weights (F32 [N] or [0],
+// from the weights *before* the update) and nonfinite_rows (S32 scalar: the rows kept because their update
+// would not stay finite; common/fused_optimizer.h). Attributes: optimizer, pooling, weight_decay_mode,
+// stochastic_rounding, seed, max_dim (the layout's largest dim, checked), total_rows (all tables' rows, which
+// every row key is below; checked). FBGEMM's gradient clipping is applied by the wrapper, to grad_output.
 //
-// The wrapper sorts the positions by key = first row of the feature's table among all
-// tables' rows + id (the dtype's max outside bags), so the uses of one table row form
-// a run of equal keys:
+// The handler first sorts the positions (cpu/row_sort.h) by key = first row of the
+// feature's table among all tables' rows + id (the dtype's max outside bags and for an
+// id outside its table), so the uses of one table row form a run of equal keys:
 //
 //   sorted_keys       [ 3  3  3 | 7 | 9  9 | max max ]     <- runs; the sentinels last
 //   sorted_positions  [ 0  4  6 | 2 | 1  5 |  3   7  ]     (ascending within a run)
@@ -30,10 +28,8 @@
 // the thread schedule. Per-element state is laid out like the weights; per-row state
 // holds one value per row at index key.
 //
-// The wrapper gives positions whose id is outside its feature's table the sentinel key
-// (jaxrec.ops.tbe_reference.row_keys); the kernel checks again (EntryOk) and skips such
-// an entry, and a run whose row is not in its table: no row or state outside the
-// feature's table is ever read or written.
+// The kernel checks each run's head again (EntryOk) and skips a run whose row is not in
+// its table: no row or state outside the feature's table is ever read or written.
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -47,6 +43,7 @@
 #include "common/fused_optimizer.h"
 #include "common/tbe.h"
 #include "common/tbe_validate.h"
+#include "cpu/row_sort.h"
 #include "cpu/tbe_cpu_util.h"
 
 namespace jaxrec {
@@ -306,13 +303,6 @@ int64_t FusedUpdate(ffi::ThreadPool& pool, const UpdateArgs<I>& a) {
   return kept.load();
 }
 
-// A per-row state (`per_row`) of state operand `which` must hold a value at every row key.
-ffi::Error CheckPerRowState(int which, ffi::AnyBuffer state, bool per_row, int64_t max_key) {
-  const int64_t count = state.element_count();
-  if (per_row && count <= max_key) return Invalid(kOp, PerRowStateMessage(which, count));
-  return ffi::Error::Success();
-}
-
 // Copies `from` into `to` unless XLA gave the same buffer (input_output_aliases).
 void CopyUnlessAliased(ffi::ThreadPool& pool, ffi::AnyBuffer from, ffi::AnyBuffer to) {
   if (from.untyped_data() == to.untyped_data() || from.size_bytes() == 0) return;
@@ -325,21 +315,21 @@ void CopyUnlessAliased(ffi::ThreadPool& pool, ffi::AnyBuffer from, ffi::AnyBuffe
   });
 }
 
-ffi::Error TbeFusedUpdateCpu(
-    ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights, ffi::AnyBuffer indices,
-    ffi::AnyBuffer offsets, ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
-    ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions, ffi::AnyBuffer sorted_bags,
-    ffi::AnyBuffer state1, ffi::AnyBuffer state2, ffi::AnyBuffer hparams, ffi::AnyBuffer step,
-    ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
-    ffi::Result<ffi::AnyBuffer> state2_out, ffi::Result<ffi::AnyBuffer> grad_per_sample_weights,
-    ffi::Result<ffi::AnyBuffer> nonfinite_rows, int32_t optimizer, int32_t pooling, int32_t weight_decay_mode,
-    int32_t stochastic_rounding, int32_t seed, int32_t max_dim) {
+ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, ffi::AnyBuffer weights,
+                             ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
+                             ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout, ffi::AnyBuffer state1,
+                             ffi::AnyBuffer state2, ffi::AnyBuffer hparams, ffi::AnyBuffer step,
+                             ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
+                             ffi::Result<ffi::AnyBuffer> state2_out,
+                             ffi::Result<ffi::AnyBuffer> grad_per_sample_weights,
+                             ffi::Result<ffi::AnyBuffer> nonfinite_rows, int32_t optimizer, int32_t pooling,
+                             int32_t weight_decay_mode, int32_t stochastic_rounding, int32_t seed,
+                             int32_t max_dim, int64_t total_rows) {
   TbeProblem problem;
-  if (ffi::Error error =
-          ValidateFusedUpdate(kOp, grad_output, weights, indices, offsets, per_sample_weights, layout,
-                              sorted_keys, sorted_positions, sorted_bags, state1, state2, hparams, step,
-                              *weights_out, *state1_out, *state2_out, *grad_per_sample_weights,
-                              *nonfinite_rows, optimizer, pooling, weight_decay_mode, max_dim, &problem);
+  if (ffi::Error error = ValidateFusedUpdate(
+          kOp, grad_output, weights, indices, offsets, per_sample_weights, layout, state1, state2, hparams,
+          step, *weights_out, *state1_out, *state2_out, *grad_per_sample_weights, *nonfinite_rows, optimizer,
+          pooling, weight_decay_mode, max_dim, total_rows, &problem);
       error.failure()) {
     return error;
   }
@@ -356,22 +346,27 @@ ffi::Error TbeFusedUpdateCpu(
         error.failure()) {
       return error;
     }
-    // Keys are sorted, sentinels last: the largest row key precedes the first sentinel.
     const int64_t n = problem.num_indices;
-    const I* keys = sorted_keys.typed_data<I>();
-    const int64_t num_keys = std::lower_bound(keys, keys + n, std::numeric_limits<I>::max()) - keys;
-    if (num_keys > 0 && keys[0] < 0) return Invalid(kOp, "sorted_keys must be >= 0");
-    const int64_t max_key = num_keys > 0 ? keys[num_keys - 1] : -1;
+    const TbeLayout& l = problem.layout;
+    std::vector<I> keys(n), positions(n), bags(n);
+    int64_t layout_rows = 0;
+    if (ffi::Error error =
+            SortByRow<I, int64_t>(pool, kOp, indices.typed_data<I>(), n, offsets.typed_data<I>(),
+                                  static_cast<int64_t>(offsets.element_count()) - 1, l.rows, l.first_rows,
+                                  l.num_features, keys.data(), positions.data(), bags.data(), &layout_rows);
+        error.failure()) {
+      return error;
+    }
+    if (layout_rows >
+        total_rows) {  // every row key must be < total_rows (tables no feature reads may follow)
+      return Invalid(kOp, "total_rows is " + std::to_string(total_rows) +
+                              " but the layout's features read rows "
+                              "up to " +
+                              std::to_string(layout_rows));
+    }
 
     return DispatchOptimizer(optimizer, [&](auto kind) {
       constexpr OptimizerKind kKind = decltype(kind)::value;
-      // A per-row state needs a value at every key (the shared validation saw no keys).
-      if (ffi::Error error = CheckPerRowState(1, state1, State1PerRow(kKind), max_key); error.failure()) {
-        return error;
-      }
-      if (ffi::Error error = CheckPerRowState(2, state2, State2PerRow(kKind), max_key); error.failure()) {
-        return error;
-      }
       // XLA hands aliased results over holding the operands' data; copy where it did not alias.
       CopyUnlessAliased(pool, weights, *weights_out);
       CopyUnlessAliased(pool, state1, *state1_out);
@@ -383,9 +378,9 @@ ffi::Error TbeFusedUpdateCpu(
           indices.typed_data<I>(),
           offsets.typed_data<I>(),
           problem.weighted ? per_sample_weights.typed_data<float>() : nullptr,
-          keys,
-          sorted_positions.typed_data<I>(),
-          sorted_bags.typed_data<I>(),
+          keys.data(),
+          positions.data(),
+          bags.data(),
           n,
           problem.layout,
           problem.batch_size,
@@ -428,16 +423,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCpu, jaxrec::cpu::TbeFusedUpda
                                   .Arg<xla::ffi::AnyBuffer>()  // offsets
                                   .Arg<xla::ffi::AnyBuffer>()  // per_sample_weights
                                   .Arg<xla::ffi::AnyBuffer>()  // layout
-                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_keys
-                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_positions
-                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_bags
                                   .Arg<xla::ffi::AnyBuffer>()  // state1
                                   .Arg<xla::ffi::AnyBuffer>()  // state2
                                   .Arg<xla::ffi::AnyBuffer>()  // hparams
                                   .Arg<xla::ffi::AnyBuffer>()  // step
                                   .Ret<xla::ffi::AnyBuffer>()  // weights (aliases operand 1)
-                                  .Ret<xla::ffi::AnyBuffer>()  // state1 (aliases operand 9)
-                                  .Ret<xla::ffi::AnyBuffer>()  // state2 (aliases operand 10)
+                                  .Ret<xla::ffi::AnyBuffer>()  // state1 (aliases operand 6)
+                                  .Ret<xla::ffi::AnyBuffer>()  // state2 (aliases operand 7)
                                   .Ret<xla::ffi::AnyBuffer>()  // grad_per_sample_weights
                                   .Ret<xla::ffi::AnyBuffer>()  // nonfinite_rows
                                   .Attr<int32_t>("optimizer")
@@ -445,4 +437,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCpu, jaxrec::cpu::TbeFusedUpda
                                   .Attr<int32_t>("weight_decay_mode")
                                   .Attr<int32_t>("stochastic_rounding")
                                   .Attr<int32_t>("seed")
-                                  .Attr<int32_t>("max_dim"));  // the layout's largest dim
+                                  .Attr<int32_t>("max_dim")       // the layout's largest dim
+                                  .Attr<int64_t>("total_rows"));  // the tables' row count

@@ -36,6 +36,7 @@
 
 #include "common/ffi_util.h"
 #include "common/hash_table.h"
+#include "cuda/scratch.cuh"
 
 namespace jaxrec {
 namespace {
@@ -542,25 +543,6 @@ ffi::Error HashFindCuda(cudaStream_t stream, ffi::AnyBuffer keys, ffi::AnyBuffer
     return err == cudaSuccess ? ffi::Error::Success() : CudaError(err, kOp);
   });
 }
-
-// Hands out consecutive arrays of one block of memory (the handler's scratch, 16-byte
-// aligned; CUB aligns its own storage), each 256 bytes from the last; with a null base it
-// only adds up the bytes.
-class Carve {
- public:
-  explicit Carve(char* base) : base_(base) {}
-  template <typename T>
-  T* Take(int64_t count) {
-    T* out = base_ == nullptr ? nullptr : reinterpret_cast<T*>(base_ + used_);
-    used_ += (static_cast<size_t>(count) * sizeof(T) + 255) / 256 * 256;
-    return out;
-  }
-  size_t used() const { return used_; }
-
- private:
-  char* base_;
-  size_t used_ = 0;
-};
 
 // The handler's arrays, carved out of `base` (null: to count their bytes).
 template <typename I, typename H>

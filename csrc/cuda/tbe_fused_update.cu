@@ -1,10 +1,9 @@
 // CUDA handler of jaxrec_tbe_fused_update: the TBE backward with the optimizer fused
 // in. The table gradient is never materialised: each touched row is updated in place.
 //
-// As in the backward, the Python wrapper sorts the (row key, position) pairs with XLA's
-// sort (a CUB radix sort) and hands over each sorted position's bag. One group of lanes
-// per run of equal keys (8 lanes for rows of up to 128 columns, four rows per warp; a
-// warp for wider rows) then
+// The handler first sorts the batch's positions by row key (cuda/row_sort.cuh: a CUB
+// radix sort over the bits of the row count). One group of lanes per run of equal keys (8 lanes for rows of
+// up to 128 columns, four rows per warp; a warp for wider rows) then
 //   1. sums the run's gradient rows in sorted order into registers (4 columns per lane
 //      per chunk: the whole row stays in the group). A long run (a
 //      Zipf head id: its length grows with the batch, and under sharding with the
@@ -18,8 +17,8 @@
 //      (RowStaysFinite): then the row keeps its values and nonfinite_rows counts it.
 // The row is the run's key less its feature's first row (the layout's first_rows), as
 // in FBGEMM's backward; a run whose key is not a row of its head's feature's table is
-// skipped: the wrapper already gives such positions the sentinel key, and with gradient clipping
-// applied by the wrapper to grad_output (as FBGEMM does) the row math has none.
+// skipped: the sort already gives such positions the sentinel key, and with gradient
+// clipping applied by the wrapper to grad_output (as FBGEMM does) the row math has none.
 // No floating-point atomics: deterministic run to run. The weights and state arrive as results that
 // alias their operands (input_output_aliases), so under buffer donation the update is
 // in place; the handler reads them from the result buffers.
@@ -38,6 +37,7 @@
 #include "common/fused_optimizer.h"
 #include "common/tbe.h"
 #include "common/tbe_validate.h"
+#include "cuda/row_sort.cuh"
 #include "cuda/tbe_backward_common.cuh"
 #include "cuda/tbe_fused_update.cuh"
 #include "cuda/tbe_util.cuh"
@@ -68,20 +68,18 @@ ffi::Error CopyIfNotAliased(cudaStream_t stream, const ffi::AnyBuffer& in, void*
 
 ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer grad,
                               ffi::AnyBuffer weights, ffi::AnyBuffer indices, ffi::AnyBuffer offsets,
-                              ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout,
-                              ffi::AnyBuffer sorted_keys, ffi::AnyBuffer sorted_positions,
-                              ffi::AnyBuffer sorted_bags, ffi::AnyBuffer state1, ffi::AnyBuffer state2,
-                              ffi::AnyBuffer hparams, ffi::AnyBuffer step,
+                              ffi::AnyBuffer per_sample_weights, ffi::AnyBuffer layout, ffi::AnyBuffer state1,
+                              ffi::AnyBuffer state2, ffi::AnyBuffer hparams, ffi::AnyBuffer step,
                               ffi::Result<ffi::AnyBuffer> weights_out, ffi::Result<ffi::AnyBuffer> state1_out,
                               ffi::Result<ffi::AnyBuffer> state2_out, ffi::Result<ffi::AnyBuffer> grad_psw,
                               ffi::Result<ffi::AnyBuffer> nonfinite_rows, int32_t optimizer, int32_t pooling,
                               int32_t weight_decay_mode, int32_t stochastic_rounding, int32_t seed,
-                              int32_t max_dim) {
+                              int32_t max_dim, int64_t total_rows) {
   TbeBatch batch;
-  if (ffi::Error error = ValidateFusedUpdate(
-          kOp, grad, weights, indices, offsets, per_sample_weights, layout, sorted_keys, sorted_positions,
-          sorted_bags, state1, state2, hparams, step, *weights_out, *state1_out, *state2_out, *grad_psw,
-          *nonfinite_rows, optimizer, pooling, weight_decay_mode, max_dim, &batch);
+  if (ffi::Error error = ValidateFusedUpdate(kOp, grad, weights, indices, offsets, per_sample_weights, layout,
+                                             state1, state2, hparams, step, *weights_out, *state1_out,
+                                             *state2_out, *grad_psw, *nonfinite_rows, optimizer, pooling,
+                                             weight_decay_mode, max_dim, total_rows, &batch);
       error.failure()) {
     return error;
   }
@@ -130,17 +128,22 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
     a.partials = static_cast<float*>(*buffer);
   }
   const unsigned window_blocks = static_cast<unsigned>((windows + kWarpsPerBlock - 1) / kWarpsPerBlock);
-  const Launch l{stream,
-                 window_blocks,
-                 grad.typed_data<float>(),
-                 weights_out->untyped_data(),
-                 offsets.untyped_data(),
-                 sorted_keys.untyped_data(),
-                 sorted_positions.untyped_data(),
-                 sorted_bags.untyped_data()};
-
   return DispatchIndexType(indices.element_type(), "indices", [&](auto index_zero) {
     using I = decltype(index_zero);
+    SortedRows<I> sorted;
+    if (ffi::Error e = SortByRow<I>(stream, scratch, kOp, ga, indices.typed_data<I>(),
+                                    offsets.typed_data<I>(), total_rows, &sorted);
+        e.failure()) {
+      return e;
+    }
+    const Launch l{stream,
+                   window_blocks,
+                   grad.typed_data<float>(),
+                   weights_out->untyped_data(),
+                   offsets.untyped_data(),
+                   sorted.keys,
+                   sorted.positions,
+                   sorted.bags};
     return DispatchFloatType<__half, __nv_bfloat16>(weights.element_type(), "weights", [&](auto weight_zero) {
       using W = decltype(weight_zero);
       if (gpsw != nullptr) {  // reads the weights before the update below changes them
@@ -171,9 +174,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCuda, jaxrec::TbeFusedUpdateCu
                                   .Arg<xla::ffi::AnyBuffer>()  // offsets
                                   .Arg<xla::ffi::AnyBuffer>()  // per_sample_weights
                                   .Arg<xla::ffi::AnyBuffer>()  // layout
-                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_keys
-                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_positions
-                                  .Arg<xla::ffi::AnyBuffer>()  // sorted_bags
                                   .Arg<xla::ffi::AnyBuffer>()  // state1
                                   .Arg<xla::ffi::AnyBuffer>()  // state2
                                   .Arg<xla::ffi::AnyBuffer>()  // hparams
@@ -188,4 +188,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxrecTbeFusedUpdateCuda, jaxrec::TbeFusedUpdateCu
                                   .Attr<int32_t>("weight_decay_mode")
                                   .Attr<int32_t>("stochastic_rounding")
                                   .Attr<int32_t>("seed")
-                                  .Attr<int32_t>("max_dim"));
+                                  .Attr<int32_t>("max_dim")
+                                  .Attr<int64_t>("total_rows"));

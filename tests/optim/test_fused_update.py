@@ -7,6 +7,7 @@ Rows outside the batch must stay bit-identical.
 """
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -308,6 +309,19 @@ def test_int64_ids(platform, x64):
     wr, sr, *_ = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")(w, s, *args)
     np.testing.assert_allclose(wk, wr, rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(sk.momentum1, sr.momentum1, rtol=1e-5, atol=1e-7)
+
+
+def test_the_handler_sorts_the_ids_itself(platform):
+    """No sort runs before the handler: on the GPU XLA does not record its sort in command
+    buffers (CUDA graphs), so a sort there split a train step's graphs (docs/fused.md)."""
+    config = CONFIGS["rowwise_adagrad"]
+    rng = np.random.default_rng(12)
+    w, s = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, False, jnp.float32)
+    args = random_step_batch(rng, LAYOUT, PoolingMode.SUM, False)
+    step = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")
+    hlo = step.lower(w, s, *args).compile().as_text()
+    assert "jaxrec_tbe_fused_update" in hlo
+    assert not re.search(r"\bsort\(|DeviceRadixSort|jaxrec_sort_by_row", hlo)
 
 
 def test_bad_ids_are_corrected_like_the_lookup(platform):

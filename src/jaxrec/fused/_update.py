@@ -17,9 +17,10 @@ one jit, ``grad_output`` must depend on the lookup's output (as a real gradient 
 otherwise XLA may schedule the in-place update before the lookup reads the table, and
 copies the table to keep the lookup correct.
 
-Kernels: the ids are sorted with XLA's sort (a radix sort on the GPU; a C++ radix sort on
-the CPU), then one group of CUDA lanes (docs/fused.md) or one CPU task per unique row sums
-the row's gradient in sorted order and applies ``jaxrec.optim.update_rows``' math
+Kernels: the handler sorts the ids by table row (a radix sort over the bits of the row
+count: CUB on the GPU, a parallel C++ one on the CPU), then one group of CUDA lanes
+(docs/fused.md) or one CPU task per unique row sums the row's gradient in sorted order
+and applies ``jaxrec.optim.update_rows``' math
 (csrc/common/fused_optimizer.h) to the row and its state. Deterministic run to run. The
 reference is ``embedding_bag_sparse_grad`` + ``jaxrec.fused.fused_update_reference``.
 
@@ -50,7 +51,7 @@ import numpy as np
 from jaxrec import _ffi
 from jaxrec.fused._reference import reference_fits, update_reference
 from jaxrec.ops.bounds_check import BoundsCheckMode, as_bounds_check_mode, bounds_check_indices
-from jaxrec.ops.row_sort import sort_by_row
+from jaxrec.ops.row_sort import check_row_keys_fit
 from jaxrec.ops.tbe_layout import (
     PoolingMode,
     TableLayout,
@@ -154,12 +155,12 @@ class _Op:
 
 
 def _kernel(op: _Op, weights, state, grad_output, indices, offsets, per_sample_weights, hparams):
-    sorted_key, sorted_position, sorted_bag = sort_by_row(op.layout, indices, offsets)
+    total_rows = check_row_keys_fit(op.layout, indices.dtype)
     names = buffer_fields(op.config.state_type)
     buffers = [getattr(state, name) for name in names]
     buffers += [jnp.zeros((0,), jnp.float32)] * (2 - len(buffers))
-    # Operand 1 (weights) -> result 0; state buffers 9, 10 -> results 1, 2.
-    aliases = {1: 0, **{9 + i: 1 + i for i in range(len(names))}}
+    # Operand 1 (weights) -> result 0; state buffers 6, 7 -> results 1, 2.
+    aliases = {1: 0, **{6 + i: 1 + i for i in range(len(names))}}
     results = (jax.ShapeDtypeStruct(weights.shape, weights.dtype),
                *(jax.ShapeDtypeStruct(b.shape, b.dtype) for b in buffers),
                jax.ShapeDtypeStruct(per_sample_weights.shape, jnp.float32),
@@ -169,13 +170,12 @@ def _kernel(op: _Op, weights, state, grad_output, indices, offsets, per_sample_w
     config = op.config
     new_weights, state1, state2, grad_psw, nonfinite_rows = call(
         grad_output, weights, indices, offsets, per_sample_weights,
-        jnp.asarray(op.layout.packed()), sorted_key, sorted_position, sorted_bag,
-        buffers[0], buffers[1], jnp.stack(hparams), jnp.asarray(state.step, jnp.int32),
+        jnp.asarray(op.layout.packed()), buffers[0], buffers[1], jnp.stack(hparams), jnp.asarray(state.step, jnp.int32),
         optimizer=np.int32(_KIND[type(config)]), pooling=np.int32(op.pooling),
         weight_decay_mode=np.int32(_WEIGHT_DECAY_MODE[getattr(config, "weight_decay_mode", "none")]),
         stochastic_rounding=np.int32(config.stochastic_rounding),
         seed=np.array(config.seed, np.uint32).view(np.int32)[()],  # the same 32 bits
-        max_dim=np.int32(max(op.layout.dims)))
+        max_dim=np.int32(max(op.layout.dims)), total_rows=np.int64(total_rows))
     new_buffers = dict(zip(names, (state1, state2)))
     return new_weights, type(state)(step=state.step + 1, **new_buffers), grad_psw, nonfinite_rows
 

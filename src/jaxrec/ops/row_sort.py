@@ -1,5 +1,6 @@
-"""A batch's positions sorted by the table row each reads: what the sorted backward and
-the fused update walk, one run of equal keys per table row.
+"""A batch's positions sorted by the table row each reads: what the sorted backward walks,
+one run of equal keys per table row (the fused update's handlers sort the same way
+inside themselves, csrc/cpu/row_sort.h and csrc/cuda/row_sort.cuh).
 
 :func:`sort_by_row` returns ``(sorted_keys, sorted_positions, sorted_bags)``:
 
@@ -43,15 +44,22 @@ def _sort_by_row_cpu(layout: TableLayout, indices: jax.Array, offsets: jax.Array
                 jnp.asarray(layout.feature_first_rows, indices.dtype))
 
 
+def check_row_keys_fit(layout: TableLayout, dtype) -> int:
+    """The layout's row count (its tables' rows in all), after checking that every row key
+    fits ``dtype`` below its max (the sentinel)."""
+    total_rows = sum(layout.rows)
+    if total_rows > np.iinfo(dtype).max:
+        raise ValueError(f"the layout's tables hold {total_rows} rows in all, more than {np.dtype(dtype)} row "
+                         "keys can number: pass int64 indices (with jax_enable_x64)")
+    return total_rows
+
+
 def sort_by_row(layout: TableLayout, indices: jax.Array, offsets: jax.Array, *, backend: str = "auto"):
     """``(sorted_keys, sorted_positions, sorted_bags)`` of the batch; see the module doc.
 
     ``indices`` and ``offsets`` share one dtype (int32 or int64), which the results take;
     every row key must fit it below its max.
     """
-    total_rows = sum(layout.rows)
-    if total_rows > np.iinfo(indices.dtype).max:
-        raise ValueError(f"the layout's tables hold {total_rows} rows in all, more than {indices.dtype} row "
-                         "keys can number: pass int64 indices (with jax_enable_x64)")
+    check_row_keys_fit(layout, indices.dtype)
     return _ffi.dispatch({"cpu": lambda i, o: _sort_by_row_cpu(layout, i, o)},
                          lambda i, o: sort_by_row_reference(layout, i, o), indices, offsets, backend=backend)
