@@ -16,10 +16,10 @@ EXACT_ADAGRAD and EXACT_SGD, the same learning rate and eps, bounds checks off o
   then ``fused_update(w, s, g + 0 * out, ...)``. The ``0 * out`` stands for a real loss's
   gradient: it orders the update after the lookup, and without it XLA copies the table to
   let the lookup read it before the in-place update (it would cost O(table) per step).
-* jaxrec_fused_*: ``fused_update`` alone (the backward only); of it jaxrec_sort_by_row: the
-  handler's radix sort of the T*B*L ids by table row (``jaxrec.ops.row_sort``), which runs
-  before the update kernel; and, for reference, xla_sort_of_the_ids: XLA's sort of the same
-  keys, which the update ran before that handler.
+* jaxrec_fused_*: ``fused_update`` alone (the backward only); jaxrec_sort_by_row: the radix
+  sort of the T*B*L ids by table row that the update's handler runs first, as a handler of
+  its own (``jaxrec.ops.row_sort``); and, for reference, xla_sort_of_the_ids: XLA's sort of
+  the same keys, which the update once ran instead.
 
 The timings need an idle machine: each library uses every core, and FBGEMM's OpenMP
 threads slow down many times over when another process takes a core. Each run records
@@ -110,7 +110,7 @@ def jaxrec_steps(cfg, weights_np, id_sets, grad):
     steps["jaxrec_fused_rowwise_adagrad_ms"] = fused_run
     by_row = jax.jit(lambda i: sort_by_row(layout, i, offsets))
     steps["jaxrec_sort_by_row_ms"] = lambda i: jax.block_until_ready(by_row(ids[i]))
-    # XLA's sort of the same keys ((table, id)), which the update ran before sort_by_row.
+    # XLA's sort of the same keys ((table, id)), which the update ran before its own sort.
     n = T * B * L
     sort = jax.jit(lambda i: jax.lax.sort_key_val(i + (jnp.arange(n, dtype=jnp.int32) // (B * L)) * E,
                                                   jnp.arange(n, dtype=jnp.int32)))

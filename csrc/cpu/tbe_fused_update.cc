@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -348,21 +349,19 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
     }
     const int64_t n = problem.num_indices;
     const TbeLayout& l = problem.layout;
-    std::vector<I> keys(n), positions(n), bags(n);
+    std::unique_ptr<I[]> keys(new I[n]), positions(new I[n]), bags(new I[n]);  // all written by the sort
     int64_t layout_rows = 0;
     if (ffi::Error error =
             SortByRow<I, int64_t>(pool, kOp, indices.typed_data<I>(), n, offsets.typed_data<I>(),
                                   static_cast<int64_t>(offsets.element_count()) - 1, l.rows, l.first_rows,
-                                  l.num_features, keys.data(), positions.data(), bags.data(), &layout_rows);
+                                  l.num_features, keys.get(), positions.get(), bags.get(), &layout_rows);
         error.failure()) {
       return error;
     }
-    if (layout_rows >
-        total_rows) {  // every row key must be < total_rows (tables no feature reads may follow)
+    // Every row key must be < total_rows (tables that no feature reads may follow).
+    if (layout_rows > total_rows) {
       return Invalid(kOp, "total_rows is " + std::to_string(total_rows) +
-                              " but the layout's features read rows "
-                              "up to " +
-                              std::to_string(layout_rows));
+                              " but the layout's features read rows up to " + std::to_string(layout_rows));
     }
 
     return DispatchOptimizer(optimizer, [&](auto kind) {
@@ -378,9 +377,9 @@ ffi::Error TbeFusedUpdateCpu(ffi::ThreadPool pool, ffi::AnyBuffer grad_output, f
           indices.typed_data<I>(),
           offsets.typed_data<I>(),
           problem.weighted ? per_sample_weights.typed_data<float>() : nullptr,
-          keys.data(),
-          positions.data(),
-          bags.data(),
+          keys.get(),
+          positions.get(),
+          bags.get(),
           n,
           problem.layout,
           problem.batch_size,
