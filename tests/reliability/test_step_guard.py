@@ -8,6 +8,8 @@ the snapshot is unchanged and still readable (the step donated its buffers), and
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 from flax import nnx
 
 from jaxrec import NonFiniteError, fused, optim
+from jaxrec._step_guard import all_finite
 from jaxrec.models import DLRM
 from jaxrec.nn import (
     EmbeddingBagCollection,
@@ -382,3 +385,22 @@ def test_a_latch_lost_with_a_failed_step_is_replaced():
     monitor.check()
     fresh = monitor.latch()
     np.testing.assert_array_equal(fresh, [2, 0, 0, 1, 2, 0])  # the counts last read
+
+
+def test_the_finiteness_check_is_one_reduction_whatever_the_leaves():
+    """XLA's simplifier splits the reduction of a concatenation into one per operand (a
+    kernel each on the GPU, launched every step); the guard's barrier keeps it whole, and
+    a NaN in any leaf, of any rank, still fails the check."""
+    rng = np.random.default_rng(3)
+    leaves = [jnp.asarray(rng.normal(size=shape).astype(np.float32))
+              for shape in [(64, 48), (7,), (), (3, 5, 2), *[(33, 17)] * 8]]
+    check = jax.jit(all_finite)
+    hlo = check.lower(leaves).compile().as_text()
+    reductions = re.findall(r"\n\s*(?:ROOT )?\S+ = \S+ reduce\(", hlo)
+    assert 1 <= len(reductions) <= 2, f"{len(reductions)} reductions for {len(leaves)} leaves"
+    assert bool(check(leaves))
+    for i, leaf in enumerate(leaves):
+        bad = list(leaves)
+        bad[i] = leaf.reshape(-1).at[int(rng.integers(leaf.size))].set(np.nan).reshape(leaf.shape)
+        assert not bool(check(bad)), i
+    assert bool(check([jnp.arange(3), jnp.zeros((0, 4))]))  # no float values to check
