@@ -67,6 +67,9 @@ JAXREC_HOST_DEVICE void ClampBag(T begin, T end, T n, T* start_out, T* end_out) 
   *end_out = stop;
 }
 
+// Bits of x (0 for 0): the sorts of row keys order only the bits of the row count.
+inline int BitWidth(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
+
 // Number of int32 entries of a packed layout for T features.
 constexpr int64_t PackedLayoutSize(int64_t num_features) { return 2 * (5 * num_features + 1); }
 

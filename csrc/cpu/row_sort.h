@@ -35,15 +35,13 @@ constexpr int kMaxDigitBits = 11;       // 2048 buckets: a chunk's counts stay i
 constexpr int64_t kMinChunk = 1 << 16;  // positions per chunk of a pass
 constexpr int64_t kBagsPerItem = 4096;  // bags per item of the key pass
 
-inline int BitWidth(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
-
 }  // namespace row_sort
 
 // Sorts indices[n] by row key into keys_out, positions_out and bags_out (each I[n]);
-// feature_rows and first_rows describe the T features' tables (R: I or int64_t). Checks
-// the offsets (non-decreasing, inside [0, n]) and that every key fits I below its max;
-// sets *total_rows_out (when given) to the row count of all tables (the largest
-// first_rows[f] + feature_rows[f]).
+// feature_rows and first_rows describe the T features' tables (R: I or int64_t). The
+// offsets, T*B+1 of them, must be checked already (CheckOffsets, cpu/tbe_cpu_util.h).
+// Checks that every key fits I below its max; sets *total_rows_out (when given) to the row count of all
+// tables (the largest first_rows[f] + feature_rows[f]).
 template <typename I, typename R>
 ffi::Error SortByRow(ffi::ThreadPool& pool, std::string_view op, const I* indices, int64_t n,
                      const I* offsets, int64_t num_bags, const R* feature_rows, const R* first_rows,
@@ -52,21 +50,7 @@ ffi::Error SortByRow(ffi::ThreadPool& pool, std::string_view op, const I* indice
   using U = std::make_unsigned_t<I>;
   constexpr I kSentinel = std::numeric_limits<I>::max();
 
-  // The operands' values: bags inside [0, N], non-decreasing; keys below the sentinel.
-  if (num_bags % num_features != 0) {
-    return Invalid(op, "offsets has " + std::to_string(num_bags + 1) +
-                           " entries, which is not T * B + 1 for T = " + std::to_string(num_features));
-  }
-  if (offsets[0] < 0 || offsets[num_bags] > n) {
-    return Invalid(op,
-                   "offsets must lie in [0, N = " + std::to_string(n) + "]; run bounds_check_indices first");
-  }
-  for (int64_t k = 0; k < num_bags; ++k) {
-    if (offsets[k + 1] < offsets[k]) {
-      return Invalid(op, "offsets must be non-decreasing; offsets[" + std::to_string(k + 1) + "] < offsets[" +
-                             std::to_string(k) + "]; run bounds_check_indices first");
-    }
-  }
+  // Every key below the sentinel.
   uint64_t total_rows = 0;  // the sentinel's rank
   for (int64_t f = 0; f < num_features; ++f) {
     const int64_t rows = feature_rows[f], base = first_rows[f];
@@ -101,7 +85,7 @@ ffi::Error SortByRow(ffi::ThreadPool& pool, std::string_view op, const I* indice
   for (int64_t p = 0; p < n; ++p) order[p] = static_cast<I>(p);
 
   // The radix passes over the bits of total_rows.
-  const int bits = row_sort::BitWidth(total_rows);
+  const int bits = BitWidth(total_rows);
   const int passes = (bits + row_sort::kMaxDigitBits - 1) / row_sort::kMaxDigitBits;
   const int digit_bits = passes > 0 ? (bits + passes - 1) / passes : 0;
   const int64_t buckets = int64_t{1} << digit_bits;

@@ -53,10 +53,16 @@ ffi::Error SortByRowCpu(ffi::ThreadPool pool, ffi::AnyBuffer indices, ffi::AnyBu
   }
   return DispatchIndexType(indices.element_type(), "indices", [&](auto zero) {
     using I = decltype(zero);
-    return SortByRow<I, I>(pool, kOp, indices.typed_data<I>(), n, offsets.typed_data<I>(),
-                           static_cast<int64_t>(offsets.element_count()) - 1, feature_rows.typed_data<I>(),
-                           feature_first_rows.typed_data<I>(), num_features, sorted_keys->typed_data<I>(),
-                           sorted_positions->typed_data<I>(), sorted_bags->typed_data<I>());
+    const int64_t num_bags = static_cast<int64_t>(offsets.element_count()) - 1;
+    if (num_bags % num_features != 0) {
+      return Invalid(kOp, "offsets has " + std::to_string(num_bags + 1) +
+                              " entries, which is not T * B + 1 for T = " + std::to_string(num_features));
+    }
+    if (ffi::Error e = CheckOffsets(kOp, offsets.typed_data<I>(), num_bags + 1, n); e.failure()) return e;
+    return SortByRow<I, I>(pool, kOp, indices.typed_data<I>(), n, offsets.typed_data<I>(), num_bags,
+                           feature_rows.typed_data<I>(), feature_first_rows.typed_data<I>(), num_features,
+                           sorted_keys->typed_data<I>(), sorted_positions->typed_data<I>(),
+                           sorted_bags->typed_data<I>());
   });
 }
 

@@ -176,6 +176,22 @@ struct TbeProblem : TbeBatch {
   std::vector<int64_t> out_dims;  // shape of the forward output
 };
 
+// Offsets: every bag inside [0, N] and non-decreasing (a bad offset would read out of bounds).
+template <typename I>
+ffi::Error CheckOffsets(std::string_view op, const I* offsets, int64_t num_offsets, int64_t n) {
+  if (offsets[0] < 0 || offsets[num_offsets - 1] > n) {
+    return Invalid(op,
+                   "offsets must lie in [0, N = " + std::to_string(n) + "]; run bounds_check_indices first");
+  }
+  for (int64_t k = 0; k + 1 < num_offsets; ++k) {
+    if (offsets[k + 1] < offsets[k]) {
+      return Invalid(op, "offsets must be non-decreasing; offsets[" + std::to_string(k + 1) + "] < offsets[" +
+                             std::to_string(k) + "]; run bounds_check_indices first");
+    }
+  }
+  return ffi::Error::Success();
+}
+
 // Checks what the kernels must not trust in the values of the layout (each feature's
 // table inside `weights`, output columns, distinct tables not overlapping) and of the
 // offsets (non-decreasing, inside [0, N]; the wrappers clamp them first, so this only
@@ -235,20 +251,7 @@ ffi::Error ValidateContents(std::string_view op, ffi::AnyBuffer weights, ffi::An
     problem->out_dims = {problem->batch_size, problem->total_dim};
   }
 
-  // Offsets: every bag inside [0, N] and non-decreasing (a bad offset would read out of bounds).
-  const I* o = offsets.typed_data<I>();
-  const int64_t num_offsets = offsets.element_count();
-  if (o[0] < 0 || o[num_offsets - 1] > n) {
-    return Invalid(op,
-                   "offsets must lie in [0, N = " + std::to_string(n) + "]; run bounds_check_indices first");
-  }
-  for (int64_t k = 0; k + 1 < num_offsets; ++k) {
-    if (o[k + 1] < o[k]) {
-      return Invalid(op, "offsets must be non-decreasing; offsets[" + std::to_string(k + 1) + "] < offsets[" +
-                             std::to_string(k) + "]; run bounds_check_indices first");
-    }
-  }
-  return ffi::Error::Success();
+  return CheckOffsets(op, offsets.typed_data<I>(), offsets.element_count(), n);
 }
 
 // The columns of the output (or its gradient), which the shared validation cannot see.

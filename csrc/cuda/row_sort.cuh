@@ -71,8 +71,6 @@ __global__ void __launch_bounds__(kThreads)
   if (i < n) sorted_bags[i] = bags[sorted_positions[i]];
 }
 
-inline int BitWidth(uint64_t x) { return x == 0 ? 0 : 64 - __builtin_clzll(x); }
-
 // The sort's arrays, carved out of `base` (null: to count their bytes).
 template <typename I>
 struct Work {
@@ -111,7 +109,7 @@ ffi::Error SortByRow(cudaStream_t stream, ffi::ScratchAllocator& scratch, std::s
                      SortedRows<I>* out) {
   using U = std::make_unsigned_t<I>;  // the keys are >= 0: the same order, no sign bit to flip
   const int64_t n = args.num_indices;
-  const int bits = row_sort::BitWidth(static_cast<uint64_t>(total_rows)) + (total_rows == 0);
+  const int bits = BitWidth(static_cast<uint64_t>(total_rows)) + (total_rows == 0);
   size_t cub_bytes = 0;
   cudaError_t err = cub::DeviceRadixSort::SortPairs(nullptr, cub_bytes, static_cast<const U*>(nullptr),
                                                     static_cast<U*>(nullptr), static_cast<const I*>(nullptr),
