@@ -282,6 +282,14 @@ class _Issued(NamedTuple):
 _READ_EVERY = 16
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def _copy_into(buffer: jax.Array, latch: jax.Array) -> jax.Array:
+    """``latch``'s values in ``buffer``'s memory (donated): a copy that allocates nothing.
+    A new small array every 16th step, freed a few steps later, moved the step's temporary
+    buffer now and then, and XLA re-recorded a command buffer for it (StepMonitor)."""
+    return jax.lax.dynamic_update_slice(buffer, latch, (0,))
+
+
 class StepMonitor:
     """The host side of the guard: the latch each step takes, the latch of every
     ``_READ_EVERY``-th step read once the device has finished it (never waiting), running
@@ -292,7 +300,8 @@ class StepMonitor:
     kernels) XLA re-records it on the host when a buffer of its kernels moved since the
     last call; a latch in a new buffer every step moved one of every kernel that reads or
     writes it: in the row-wise DLRM step on an H100, 859 us of host time a step against
-    185 with the donation (docs/parallel.md)."""
+    185 with the donation (docs/parallel.md). For the same reason the copies read on the
+    host reuse their buffers (``_copy_into``): as many as are on their way at once."""
 
     def __init__(self):
         self.steps = 0
@@ -301,6 +310,7 @@ class StepMonitor:
         self._copying = collections.deque()  # of those, the ones whose latch is on its way
         self._totals = [0, 0, 0]  # non-finite steps, corrected ids, kept rows
         self._counters = (0, 0, 0)  # the device's counters at the last read (modulo 2**32)
+        self._spares = []  # the buffers of copies read (or passed over), for the next copies
 
     def latch(self, like: jax.Array | None = None) -> jax.Array:
         """The latch for the step about to be issued (after ``poll()``), which the step
@@ -322,17 +332,22 @@ class StepMonitor:
 
     def poll(self) -> None:
         """Before issuing a step: raises what a finished step found. Never waits."""
-        newest = None
+        finished = []
         while self._copying and self._copying[0].latch.is_ready():
-            newest = self._copying.popleft()
-        if newest is not None:
-            self._read(newest)
+            finished.append(self._copying.popleft())
+        if finished:
+            self._read(finished[-1])
+            self._spares += [entry.latch for entry in finished]
 
     def issued(self, fatal: tuple, latch: jax.Array, messages: list) -> None:
         """After issuing step ``self.steps`` (its FATAL reports and the latch it returned)."""
         copy = None
         if self.steps % _READ_EVERY == _READ_EVERY - 1:
-            copy = jnp.copy(latch)
+            spare = self._spares.pop() if self._spares else None
+            if spare is not None and spare.sharding == latch.sharding:
+                copy = _copy_into(spare, latch)
+            else:
+                copy = jnp.copy(latch)
             copy.copy_to_host_async()
         entry = _Issued(self.steps, copy, fatal, messages)
         self._issued.append(entry)

@@ -372,6 +372,23 @@ def test_the_latch_keeps_one_buffer_and_its_counts(donate):
                             "nonfinite_rows": 0}
 
 
+def test_the_copies_read_on_the_host_reuse_one_buffer():
+    # A new array every 16th step moved the step's temporary buffer now and then, and XLA
+    # re-recorded a command buffer for it (StepMonitor).
+    rng = np.random.default_rng(6)
+    model = model_of(RowWiseAdagrad(learning_rate=0.1))
+    optimizer = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    step = make_train_step(bce, on_nonfinite="skip")
+    copies = set()
+    for i in range(64):
+        jax.block_until_ready(nnx.state(model))  # each copy is read before the next is taken
+        step(model, optimizer, *batch_of(rng, nan_dense=i in (20, 40)))
+        if step._monitor._copying:
+            copies.add(step._monitor._copying[-1].latch.unsafe_buffer_pointer())
+    assert len(copies) == 1  # every copy in the first one's buffer
+    assert step.stats()["nonfinite_steps"] == 2
+
+
 def test_a_latch_lost_with_a_failed_step_is_replaced():
     # A step that fails after donating its latch raises to the caller; the monitor then
     # neither reads the deleted latch nor hands it to the next step.
