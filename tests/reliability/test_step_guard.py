@@ -18,7 +18,6 @@ import pytest
 from flax import nnx
 
 from jaxrec import NonFiniteError, fused, optim
-from jaxrec._step_guard import all_finite
 from jaxrec.models import DLRM
 from jaxrec.nn import (
     EmbeddingBagCollection,
@@ -404,20 +403,33 @@ def test_a_latch_lost_with_a_failed_step_is_replaced():
     np.testing.assert_array_equal(fresh, [2, 0, 0, 1, 2, 0])  # the counts last read
 
 
-def test_the_finiteness_check_is_one_reduction_whatever_the_leaves():
+def test_the_gpu_finiteness_check_is_one_reduction_whatever_the_leaves():
     """XLA's simplifier splits the reduction of a concatenation into one per operand (a
-    kernel each on the GPU, launched every step); the guard's barrier keeps it whole, and
-    a NaN in any leaf, of any rank, still fails the check."""
-    rng = np.random.default_rng(3)
-    leaves = [jnp.asarray(rng.normal(size=shape).astype(np.float32))
-              for shape in [(64, 48), (7,), (), (3, 5, 2), *[(33, 17)] * 8]]
-    check = jax.jit(all_finite)
-    hlo = check.lower(leaves).compile().as_text()
+    kernel each on the GPU, launched every step); the barrier of the GPU's form keeps it
+    whole (compiled here for the CPU: the simplifier is the same)."""
+    from jaxrec._step_guard import _finite_joined
+    leaves = [jnp.ones(shape) for shape in [(64, 48), (7,), (), (3, 5, 2), *[(33, 17)] * 8]]
+    hlo = jax.jit(_finite_joined).lower(*leaves).compile().as_text()
     reductions = re.findall(r"\n\s*(?:ROOT )?\S+ = \S+ reduce\(", hlo)
     assert 1 <= len(reductions) <= 2, f"{len(reductions)} reductions for {len(leaves)} leaves"
+
+
+@pytest.mark.parametrize("form", ["all_finite", "_finite_joined", "_finite_per_leaf"])
+def test_the_finiteness_check_finds_a_nan_or_inf_in_any_leaf(form):
+    from jaxrec import _step_guard
+    check = jax.jit(lambda leaves: (getattr(_step_guard, form)(leaves) if form == "all_finite"
+                                    else getattr(_step_guard, form)(*leaves)))
+    rng = np.random.default_rng(3)
+    leaves = [jnp.asarray(rng.normal(size=shape).astype(dtype)) for shape, dtype in
+              [((64, 48), np.float32), ((7,), jnp.bfloat16), ((), np.float32),
+               ((3, 5, 2), np.float16), *[((33, 17), np.float32)] * 4]]
+    leaves[0] = jnp.sign(leaves[0]) * 3e38  # large finite values: no sum may overflow into a false alarm
     assert bool(check(leaves))
     for i, leaf in enumerate(leaves):
-        bad = list(leaves)
-        bad[i] = leaf.reshape(-1).at[int(rng.integers(leaf.size))].set(np.nan).reshape(leaf.shape)
-        assert not bool(check(bad)), i
-    assert bool(check([jnp.arange(3), jnp.zeros((0, 4))]))  # no float values to check
+        for value in (np.nan, np.inf, -np.inf):
+            bad = list(leaves)
+            flat = leaf.reshape(-1)
+            bad[i] = flat.at[int(rng.integers(leaf.size))].set(value).reshape(leaf.shape)
+            assert not bool(check(bad)), (i, value)
+    if form == "all_finite":
+        assert bool(check([jnp.arange(3), jnp.zeros((0, 4))]))  # no float values to check
