@@ -1,11 +1,12 @@
 """The fused update alone, to compare two builds of jaxrec on one machine, one after the other:
 
-    python benchmarks/fused_update_builds_ab.py OUT.json [--shape fbgemm_default] [NAME ...]  # under each build
+    python benchmarks/fused_update_builds_ab.py OUT.json [--shape fbgemm_default|zipf] [NAME ...]  # under each build
 
 ``jaxrec.fused.fused_update`` (weights and state donated, bounds check NONE) for SGD,
 rowwise Adagrad, Adam, Adagrad and LAMB at the shape of issue 20's table (T=32 tables of E=1e6 rows,
 D=128, B=4096, L=20 uniform ids with duplicates; float32 weights, and three 16-bit cases), or with
-``--shape fbgemm_default`` at FBGEMM's default benchmark shape (E=1e5, B=512): median of 5 repeats of 20
+``--shape fbgemm_default`` at FBGEMM's default benchmark shape (E=1e5, B=512), or with ``--shape zipf``
+at a DLRM step's (T=26, E=1e5, B=16384, one Zipf(1.2) id a bag): median of 5 repeats of 20
 back-to-back calls after 8 warm-up calls, rotating among 4 id sets. It checks that the
 weights stay finite. Used for the kept-row check (csrc/common/fused_optimizer.h,
 ``RowStaysFinite``): benchmarks/results/fused_update_nonfinite_check_h100_2026-11-26.json, and
@@ -28,7 +29,8 @@ from jaxrec import optim
 from jaxrec.fused import fused_update
 from jaxrec.ops import TableLayout
 
-SHAPES = {"default": (32, 10**6, 128, 4096, 20), "fbgemm_default": (32, 10**5, 128, 512, 20)}  # T, E, D, B, L
+SHAPES = {"default": (32, 10**6, 128, 4096, 20), "fbgemm_default": (32, 10**5, 128, 512, 20),  # T, E, D, B, L
+          "zipf": (26, 10**5, 128, 16384, 1)}  # Zipf(1.2) ids: long runs of one row (a DLRM step's)
 args = sys.argv[2:]
 shape = "default"
 if args[:1] == ["--shape"]:
@@ -36,7 +38,8 @@ if args[:1] == ["--shape"]:
 T, E, D, B, L = SHAPES[shape]
 layout = TableLayout(rows=(E,) * T, dims=(D,) * T, feature_table_map=tuple(range(T)))
 rng = np.random.default_rng(0)
-ids = [jnp.asarray(rng.integers(0, E, T * B * L).astype(np.int32)) for _ in range(4)]
+draw = ((lambda n: (rng.zipf(1.2, n) - 1) % E) if shape == "zipf" else (lambda n: rng.integers(0, E, n)))
+ids = [jnp.asarray(draw(T * B * L).astype(np.int32)) for _ in range(4)]
 offsets = jnp.arange(T * B + 1, dtype=jnp.int32) * L
 g = jnp.asarray(rng.normal(size=(B, T * D)).astype(np.float32))
 res = {"device": jax.devices()[0].device_kind, "jax": jax.__version__, "shape": dict(zip("TEDBL", SHAPES[shape])),

@@ -7,9 +7,9 @@
 //   1. sums the run's gradient rows in sorted order into registers (4 columns per lane
 //      per chunk: the whole row stays in the group). A long run (a
 //      Zipf head id: its length grows with the batch, and under sharding with the
-//      global batch) is cut at the multiples of kWindow of the sorted order: a first
+//      global batch) is cut at the multiples of a window of the sorted order: a first
 //      kernel sums each window's head (the part of a run that began in an earlier
-//      window) into a scratch row, and the run's own warp sums its first window and
+//      window) into a scratch row, and the run's own group sums its first window and
 //      then adds those partial rows, in window order;
 //   2. loads the row's weights and optimizer state (Adam's family: before step 1),
 //      applies UpdateRow (common/fused_optimizer.h; row sums are warp shuffles), and
@@ -47,10 +47,11 @@ namespace {
 
 using fused_update::FusedArgs;
 using fused_update::kMaxChunks;
-using fused_update::kWindow;
 using fused_update::Launch;
 using fused_update::LaunchFused;
 using fused_update::LaunchWindowHeads;
+using fused_update::RowLanes;
+using fused_update::WindowShift;
 
 constexpr std::string_view kOp = "jaxrec_tbe_fused_update";
 
@@ -119,7 +120,8 @@ ffi::Error TbeFusedUpdateCuda(cudaStream_t stream, ffi::ScratchAllocator scratch
   const unsigned blocks = static_cast<unsigned>((ga.num_indices + kWarpsPerBlock - 1) / kWarpsPerBlock);
   if (max_dim > 128 * kMaxChunks)
     return Invalid(kOp, "dims above 1024 are not supported by the fused kernel");
-  const int64_t windows = (ga.num_indices + kWindow - 1) / kWindow;
+  a.window_shift = WindowShift(RowLanes(KernelOf(a.kind), static_cast<int>(max_dim)));
+  const int64_t windows = ((ga.num_indices - 1) >> a.window_shift) + 1;
   a.partials = nullptr;
   a.partial_width = max_dim;
   if (windows > 1) {  // XLA's scratch memory lives until the handler returns, stream-ordered

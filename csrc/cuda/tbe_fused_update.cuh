@@ -17,8 +17,30 @@
 namespace jaxrec {
 namespace fused_update {
 
-constexpr int kMaxChunks = 8;     // dims up to 8 * 128 = 1024 columns
-constexpr int64_t kWindow = 256;  // sorted entries one warp sums before partial rows take over
+constexpr int kMaxChunks = 8;  // dims up to 8 * 128 = 1024 columns
+
+// Whether kernel kKind gives rows of up to 128 columns to groups of 8 lanes (four rows per
+// warp) rather than a warp each. Measured on an H100 at T=32, E=1e6, D=128, B=4096, L=20
+// (benchmarks/results/fused_update_row_groups_h100_2026-11-26.json): SGD 1.50 vs 1.61 ms,
+// rowwise Adagrad 1.74 vs 2.07 (its per-row state is one more dependent load, which the
+// four rows of a warp overlap); but Adagrad 3.41 vs 2.51 and Adam 5.29 vs 3.79: rows with
+// per-element state need twice the registers in a group, and the fewer warps lose more
+// than the groups gain.
+constexpr bool RowGroups(OptimizerKind kind) {
+  return (NumStates(kind) < 1 || State1PerRow(kind)) && (NumStates(kind) < 2 || State2PerRow(kind));
+}
+
+// The lanes that hold a row of kernel kKind when the widest row has max_dim columns.
+constexpr int RowLanes(OptimizerKind kind, int max_dim) {
+  return RowGroups(kind) && max_dim <= 128 ? 8 : kWarpSize;
+}
+
+// log2 of the sorted entries a run's own group sums before partial rows (each window's
+// head, summed by a warp) take over: 256 for a warp, 64 for a group of 8 lanes, whose
+// lanes each load 4x the columns of an entry. With 256 for the groups too, a Zipf head
+// id's run was walked by 8 lanes where a warp had walked it before: the row-wise DLRM
+// step's update took 642 us instead of 220 on an H200 (docs/fused.md).
+constexpr int WindowShift(int lanes) { return lanes == kWarpSize ? 8 : 6; }
 
 // A state buffer of runtime dtype (float32, bfloat16 or float16); the branch is uniform.
 struct StateBuffer {
@@ -85,7 +107,8 @@ struct FusedArgs {
   WeightDecayMode weight_decay_mode;
   bool stochastic_rounding;
   uint32_t seed;
-  float* partials;          // [ceil(N / kWindow), max_dim]: each window's head sum (step 1)
+  int window_shift;         // WindowShift of the kernel's lanes
+  float* partials;          // [ceil(N / window), max_dim]: each window's head sum (step 1)
   int64_t partial_width;    // max_dim
   int32_t* nonfinite_rows;  // rows kept because their update would not stay finite
   FiniteLimits limits;

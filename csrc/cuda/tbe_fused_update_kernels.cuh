@@ -130,7 +130,7 @@ __device__ __forceinline__ void SumEntries(GroupRow<kLanes, kChunks>& row, const
   }
 }
 
-// Step 1's partial rows: warp w sums the head of window w, the entries from w * kWindow
+// Step 1's partial rows: warp w sums the head of window w, the entries from w * window
 // on whose key is that of the entry before (a run that began in an earlier window).
 template <int kChunks, typename I>
 __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
@@ -139,7 +139,7 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
                 const I* __restrict__ sorted_bags, FusedArgs a) {
   const BackwardArgs& ga = a.grad;
   const int64_t w = int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize;
-  const int64_t begin = w * kWindow;
+  const int64_t begin = w << a.window_shift;
   if (begin == 0 || begin >= ga.num_indices) return;
   const I key = sorted_keys[begin];
   if (key == std::numeric_limits<I>::max() || sorted_keys[begin - 1] != key) return;
@@ -147,24 +147,13 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   GroupRow<kWarpSize, kChunks> row(threadIdx.x);
   row.dim = ga.dims[sorted_bags[begin] / ga.batch_size];
   SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, begin,
-             std::min(begin + kWindow, ga.num_indices), key, true);
+             std::min(begin + (int64_t{1} << a.window_shift), ga.num_indices), key, true);
   float* partial = a.partials + w * a.partial_width;
 #pragma unroll
   for (int k = 0; k < kChunks; ++k) {
     const int64_t c = row.Column(4 * k);
     if (c < row.dim) StoreAny4(partial + c, Get4(row.g + 4 * k), ColumnsLeft(row.dim, c));
   }
-}
-
-// Whether kernel kKind gives rows of up to 128 columns to groups of 8 lanes (four rows per
-// warp) rather than a warp each. Measured on an H100 at T=32, E=1e6, D=128, B=4096, L=20
-// (benchmarks/results/fused_update_row_groups_h100_2026-11-26.json): SGD 1.50 vs 1.61 ms,
-// rowwise Adagrad 1.74 vs 2.07 (its per-row state is one more dependent load, which the
-// four rows of a warp overlap); but Adagrad 3.41 vs 2.51 and Adam 5.29 vs 3.79: rows with
-// per-element state need twice the registers in a group, and the fewer warps lose more
-// than the groups gain.
-constexpr bool RowGroups(OptimizerKind kind) {
-  return (NumStates(kind) < 1 || State1PerRow(kind)) && (NumStates(kind) < 2 || State2PerRow(kind));
 }
 
 // Sorted entry i goes to group i % (32 / kLanes) of warp i / (32 / kLanes); a group whose
@@ -230,10 +219,11 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
 
   // 1. The row's summed gradient, in sorted order: the run's entries in its first window,
   // then the head sums of the windows it continues into.
-  const int64_t window_end = std::min((i / kWindow + 1) * kWindow, ga.num_indices);
+  const int shift = a.window_shift;
+  const int64_t window_end = std::min(((i >> shift) + 1) << shift, ga.num_indices);
   SumEntries(row, grad, offsets, sorted_keys, sorted_positions, sorted_bags, ga, i, window_end, key, active);
-  for (int64_t w = i / kWindow + 1; active && w * kWindow < ga.num_indices && sorted_keys[w * kWindow] == key;
-       ++w) {
+  for (int64_t w = (i >> shift) + 1;
+       active && (w << shift) < ga.num_indices && sorted_keys[w << shift] == key; ++w) {
     const float* partial = a.partials + w * a.partial_width;
 #pragma unroll
     for (int k = 0; k < kChunks; ++k) {
@@ -300,7 +290,7 @@ void LaunchFused(const Launch& l, int max_dim, const FusedArgs& a) {
         static_cast<const I*>(l.sorted_keys), static_cast<const I*>(l.sorted_positions),
         static_cast<const I*>(l.sorted_bags), a);
   };
-  constexpr int kSmall = RowGroups(kKind) ? 8 : kWarpSize;  // lanes per row of <= 128 columns
+  constexpr int kSmall = RowLanes(kKind, 128);  // lanes per row of <= 128 columns
   if (max_dim <= 4 * kSmall) {
     launch(FusedUpdate<kKind, kSmall, 1, W, I>, kSmall);
   } else if (max_dim <= 128) {

@@ -269,8 +269,9 @@ def test_stochastic_rounding(platform, weight_dtype):
                                                      ("adam", PoolingMode.MEAN, True)])
 def test_hot_rows_longer_than_a_window(platform, name, pooling, weighted):
     """Zipf-like ids: the head row of each table is read about 1,700 times in a batch, so
-    its run of the sorted ids spans several of the CUDA kernel's 256-entry windows (the
-    run's warp sums its first window and adds the others' head sums). Two steps, padding
+    its run of the sorted ids spans several of the CUDA kernel's windows (64 entries for
+    rowwise Adagrad's groups of 8 lanes, 256 for Adam's warps: the run's own group sums
+    its first window and adds the others' head sums). Two steps, padding
     after the last offset (both steps padded to one capacity: one compile per backend).
     Sums of ~1,700 float32 terms in another order: rtol 1e-4."""
     config = CONFIGS[name]
