@@ -327,7 +327,7 @@ class StepMonitor:
         self._copying = collections.deque()  # of those, the ones whose latch is on its way
         self._totals = [0, 0, 0]  # non-finite steps, corrected ids, kept rows
         self._counters = (0, 0, 0)  # the device's counters at the last read (modulo 2**32)
-        self._spares = []  # the buffers of copies read (or passed over), for the next copies
+        self._spares = []  # the buffers of copies read, for the next copies
 
     def latch(self, like: jax.Array | None = None) -> jax.Array:
         """The latch for the step about to be issued (after ``poll()``), which the step
@@ -349,12 +349,13 @@ class StepMonitor:
 
     def poll(self) -> None:
         """Before issuing a step: raises what a finished step found. Never waits."""
-        finished = []
+        newest = None
         while self._copying and self._copying[0].latch.is_ready():
-            finished.append(self._copying.popleft())
-        if finished:
-            self._read(finished[-1])
-            self._spares += [entry.latch for entry in finished]
+            newest = self._copying.popleft()
+        if newest is not None:
+            self._read(newest)
+            # its bytes are on the host now; an older copy's may still be on their way
+            self._spares.append(newest.latch)
 
     def issued(self, fatal: tuple, latch: jax.Array, messages: list) -> None:
         """After issuing step ``self.steps`` (its FATAL reports and the latch it returned)."""
