@@ -30,7 +30,7 @@ constexpr bool RowGroups(OptimizerKind kind) {
   return (NumStates(kind) < 1 || State1PerRow(kind)) && (NumStates(kind) < 2 || State2PerRow(kind));
 }
 
-// The lanes that hold a row of kernel kKind when the widest row has max_dim columns.
+// The lanes that hold a row in the kernel of `kind` when the widest row has max_dim columns.
 constexpr int RowLanes(OptimizerKind kind, int max_dim) {
   return RowGroups(kind) && max_dim <= 128 ? 8 : kWarpSize;
 }

@@ -198,8 +198,8 @@ def seed(trace: _Trace | None, loss: jax.Array) -> jax.Array:
 
 
 def all_finite(leaves) -> jax.Array:
-    """Whether every float leaf is finite, in a fixed number of kernels whatever the leaves
-    on GPUs, in one read of each leaf on CPUs.
+    """Whether every float leaf is finite: on GPUs in a fixed number of kernels whatever the
+    leaves, on CPUs in one read of each leaf.
 
     GPU: the leaves' finiteness masks (a byte per element) are joined into one array and
     reduced once. Behind the optimization barrier XLA cannot rewrite that reduction of a
