@@ -609,13 +609,9 @@ ffi::Error FindOrInsert(cudaStream_t stream, ffi::ScratchAllocator& scratch, con
     if (err != cudaSuccess) return CudaError(err, kOp);
     cub_bytes = std::max(cub_bytes, bytes);
   }
-  const size_t scratch_bytes = Work<I, H>(nullptr, n, cub_bytes).bytes;
-  std::optional<void*> buffer = scratch.Allocate(scratch_bytes, 16);  // the largest alignment XLA gives
-  if (!buffer.has_value()) {
-    return ffi::Error::Internal(std::string(kOp) + ": no " + std::to_string(scratch_bytes) +
-                                " bytes of scratch memory");
-  }
-  const Work<I, H> w(static_cast<char*>(*buffer), n, cub_bytes);
+  std::optional<Work<I, H>> work;
+  if (ffi::Error e = AllocateWork(scratch, kOp, &work, n, cub_bytes); e.failure()) return e;
+  const Work<I, H>& w = *work;
 
   const unsigned blocks = Blocks(n, kThreads);
   PrepareSort<I, H><<<blocks, kThreads, 0, stream>>>(ids, valid, table_of, n, num_ranges, range_bits,

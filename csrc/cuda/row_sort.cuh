@@ -115,13 +115,9 @@ ffi::Error SortByRow(cudaStream_t stream, ffi::ScratchAllocator& scratch, std::s
                                                     static_cast<U*>(nullptr), static_cast<const I*>(nullptr),
                                                     static_cast<I*>(nullptr), n, 0, bits, stream);
   if (err != cudaSuccess) return ffi::Error::Internal(std::string(op) + ": sort: " + cudaGetErrorString(err));
-  const size_t bytes = row_sort::Work<I>(nullptr, n, cub_bytes).bytes;
-  std::optional<void*> buffer = scratch.Allocate(bytes, 16);
-  if (!buffer.has_value()) {
-    return ffi::Error::Internal(std::string(op) + ": no " + std::to_string(bytes) +
-                                " bytes of scratch memory");
-  }
-  const row_sort::Work<I> w(static_cast<char*>(*buffer), n, cub_bytes);
+  std::optional<row_sort::Work<I>> work;
+  if (ffi::Error e = AllocateWork(scratch, op, &work, n, cub_bytes); e.failure()) return e;
+  const row_sort::Work<I>& w = *work;
   const unsigned blocks = static_cast<unsigned>((n + row_sort::kThreads - 1) / row_sort::kThreads);
   row_sort::RowKeys<I><<<blocks, row_sort::kThreads, 0, stream>>>(indices, offsets, args, total_rows,
                                                                   w.keys_in, w.positions_in, w.bags_in);

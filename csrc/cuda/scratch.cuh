@@ -4,6 +4,11 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "common/ffi_util.h"
 
 namespace jaxrec {
 
@@ -25,5 +30,21 @@ class Carve {
   char* base_;
   size_t used_ = 0;
 };
+
+// Builds a handler's arrays in one block of its scratch memory: Work is a struct built from
+// (char* base, args...) that carves its arrays with Carve and keeps their size in `bytes`
+// (a null base only counts them). Fails, naming `op`, when XLA has no room.
+template <typename Work, typename... Args>
+ffi::Error AllocateWork(ffi::ScratchAllocator& scratch, std::string_view op, std::optional<Work>* work,
+                        Args... args) {
+  const size_t bytes = Work(nullptr, args...).bytes;
+  std::optional<void*> buffer = scratch.Allocate(bytes, 16);  // the largest alignment XLA gives
+  if (!buffer.has_value()) {
+    return ffi::Error::Internal(std::string(op) + ": no " + std::to_string(bytes) +
+                                " bytes of scratch memory");
+  }
+  work->emplace(static_cast<char*>(*buffer), args...);
+  return ffi::Error::Success();
+}
 
 }  // namespace jaxrec
