@@ -215,7 +215,11 @@ def all_finite(leaves) -> jax.Array:
     at batch 256 on two cores (9.5M elements of dense parameters, gradients and Adam
     state): 29–36 ms with the joined masks, 18–21 with a reduction per leaf, 17.3 checking
     nothing (the selects that keep a bad step's state remain), 15–17 unguarded. (A sum of
-    ``x * 0`` per leaf read 29 ms: XLA's CPU backend wrote the zeros out as arrays.)
+    ``x * 0`` per leaf read 29 ms: XLA's CPU backend wrote the zeros out as arrays.) Each
+    reduction is a function XLA compiles, so the small leaves (biases, their gradients and
+    slots, the loss: 45 of that step's 65) share one joined mask: the step's first call (trace,
+    lowering, compile) under the test suite's XLA flags takes 0.86 s against 1.02–1.07 with
+    a reduction per leaf (0.67 checking nothing), at the same step time.
     """
     leaves = [x for x in leaves if jnp.issubdtype(x.dtype, jnp.inexact)]
     if not leaves:
@@ -229,8 +233,17 @@ def _finite_joined(*leaves) -> jax.Array:
     return jnp.all(masks)
 
 
+# On CPUs, leaves of at most this many elements are checked together (see all_finite).
+_SMALL_LEAF = 1 << 16
+
+
 def _finite_per_leaf(*leaves) -> jax.Array:
-    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
+    checks = [jnp.all(jnp.isfinite(x)) for x in leaves if x.size > _SMALL_LEAF]
+    small = [jnp.isfinite(x).ravel() for x in leaves if x.size <= _SMALL_LEAF]
+    if small:  # behind the barrier XLA keeps one reduction (see _finite_joined)
+        (masks,) = jax.lax.optimization_barrier((jnp.concatenate(small),))
+        checks.append(jnp.all(masks))
+    return jnp.all(jnp.stack(checks))
 
 
 # The latch, an int32 vector that each step takes from the one before and returns

@@ -403,15 +403,18 @@ def test_a_latch_lost_with_a_failed_step_is_replaced():
     np.testing.assert_array_equal(fresh, [2, 0, 0, 1, 2, 0])  # the counts last read
 
 
-def test_the_gpu_finiteness_check_is_one_reduction_whatever_the_leaves():
+def test_the_finiteness_checks_reduce_the_small_leaves_once():
     """XLA's simplifier splits the reduction of a concatenation into one per operand (a
     kernel each on the GPU, launched every step); the barrier of the GPU's form keeps it
-    whole (compiled here for the CPU: the simplifier is the same)."""
-    from jaxrec._step_guard import _finite_joined
+    whole (compiled here for the CPU: the simplifier is the same). The CPU's form joins the
+    small leaves the same way (a reduction is a function to compile) and reduces each
+    large one alone."""
+    from jaxrec._step_guard import _finite_joined, _finite_per_leaf
     leaves = [jnp.ones(shape) for shape in [(64, 48), (7,), (), (3, 5, 2), *[(33, 17)] * 8]]
-    hlo = jax.jit(_finite_joined).lower(*leaves).compile().as_text()
-    reductions = re.findall(r"\n\s*(?:ROOT )?\S+ = \S+ reduce\(", hlo)
-    assert 1 <= len(reductions) <= 2, f"{len(reductions)} reductions for {len(leaves)} leaves"
+    for form, extra, most in [(_finite_joined, [], 2), (_finite_per_leaf, [jnp.ones((300, 250))] * 3, 5)]:
+        hlo = jax.jit(form).lower(*leaves, *extra).compile().as_text()
+        reductions = re.findall(r"\n\s*(?:ROOT )?\S+ = \S+ reduce\(", hlo)
+        assert 1 <= len(reductions) <= most, f"{form.__name__}: {len(reductions)} reductions"
 
 
 @pytest.mark.parametrize("form", ["all_finite", "_finite_joined", "_finite_per_leaf"])
@@ -422,7 +425,8 @@ def test_the_finiteness_check_finds_a_nan_or_inf_in_any_leaf(form):
     rng = np.random.default_rng(3)
     leaves = [jnp.asarray(rng.normal(size=shape).astype(dtype)) for shape, dtype in
               [((64, 48), np.float32), ((7,), jnp.bfloat16), ((), np.float32),
-               ((3, 5, 2), np.float16), *[((33, 17), np.float32)] * 4]]
+               ((3, 5, 2), np.float16), *[((33, 17), np.float32)] * 4,
+               ((300, 250), np.float32), ((260, 260), jnp.bfloat16)]]  # past _SMALL_LEAF
     leaves[0] = jnp.sign(leaves[0]) * 3e38  # large finite values: no sum may overflow into a false alarm
     assert bool(check(leaves))
     for i, leaf in enumerate(leaves):
