@@ -4,7 +4,7 @@
 
 Builds the model of ``profile_sharded_step.py`` (``build``: 26 Criteo tables, D=128, fused
 rowwise Adagrad, one Zipf id per bag) for each case (``kind:devices:comm_dtype:max_ids:rows``)
-and measures, after 5 warm-up steps:
+and measures, after ``WARM_UP_STEPS`` warm-up steps:
 
 * ``issue_ms``: one step issued while nothing is queued on the device (the step is
   awaited before the next is issued), the median of 60: the host's own work per step,
@@ -63,8 +63,15 @@ class DispatchTimer:
         jax.jit = self._jit
 
 
+# Past the step guard's first two latch copies (steps 15 and 31): the first compiles
+# jnp.copy, the second the copy into a reused buffer, whose tracing set off a full
+# garbage collection (~120 ms on a 2-core host); within the measured steps either
+# would be one slow sample.
+WARM_UP_STEPS = 40
+
+
 def measure(call, batches, timer: DispatchTimer) -> dict:
-    for i in range(5):
+    for i in range(WARM_UP_STEPS):
         jax.block_until_ready(call(batches[i % 4]))
     host, dispatch, step = [], [], []
     for _ in range(15):

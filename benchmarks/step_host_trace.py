@@ -3,16 +3,16 @@
     python benchmarks/step_host_trace.py OUT.json LABEL [--checkout DIR] [--case ...]
 
 Builds the model of ``profile_sharded_step.py`` (``build``) for one case
-(``kind:devices:comm_dtype:max_ids:rows``, default row-wise on 1 GPU) and, after 5 warm-up
-steps, times steps issued one at a time onto an idle device (``issue``) and 20 back to
-back (``b2b``), the median of 40 each (ms per step, and of it ``dispatch_ms`` inside the
-compiled step's call). Then it traces 10 steps of each mode with ``jax.profiler`` and
-reports, per step, the device's events and the host's events by name (count and us),
-most costly first: ``GpuExecutable::ExecuteThunks`` (launching the step),
-``command_buffer::update`` (XLA re-recording a command buffer, a CUDA graph, whose
-buffers moved since the last call) and ``command_buffer::execute``. Alternate the builds,
-one process each (``--checkout``, as ``sharded_host_time.py``), to compare; tracing
-slows the host, so compare traced numbers only with traced numbers.
+(``kind:devices:comm_dtype:max_ids:rows``, default row-wise on 1 GPU) and, after the
+warm-up steps of ``sharded_host_time.py``, times steps issued one at a time onto an idle
+device (``issue``) and 20 back to back (``b2b``), the median of 40 each (ms per step, and
+of it ``dispatch_ms`` inside the compiled step's call). Then it traces 10 steps of each
+mode with ``jax.profiler`` and reports, per step, the device's events and the host's
+events by name (count and us), most costly first: ``GpuExecutable::ExecuteThunks``
+(launching the step), ``command_buffer::update`` (XLA re-recording a command buffer, a
+CUDA graph, whose buffers moved since the last call) and ``command_buffer::execute``.
+Alternate the builds, one process each (``--checkout``, as ``sharded_host_time.py``), to
+compare; tracing slows the host, so compare traced numbers only with traced numbers.
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=30)
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from sharded_host_time import DispatchTimer
+    from sharded_host_time import WARM_UP_STEPS, DispatchTimer
     sys.path.insert(0, os.path.join(args.checkout, "benchmarks") if args.checkout
                     else os.path.dirname(os.path.abspath(__file__)))
     from flax import nnx
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
     with DispatchTimer() as timer:
         call, batches, _ = build(kind, int(n), comm_dtype, int(bound), rows == "rows", log,
                                  tables, initial, args.batch_size)
-        for i in range(5):
+        for i in range(WARM_UP_STEPS):
             jax.block_until_ready(call(batches[i % 4]))
         result = {"label": args.label, "case": args.case, "device": jax.devices()[0].device_kind,
                   "jax": jax.__version__, "batch_per_device": args.batch_size}
