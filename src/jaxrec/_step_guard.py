@@ -239,10 +239,9 @@ _SMALL_LEAF = 1 << 16
 
 def _finite_per_leaf(*leaves) -> jax.Array:
     checks = [jnp.all(jnp.isfinite(x)) for x in leaves if x.size > _SMALL_LEAF]
-    small = [jnp.isfinite(x).ravel() for x in leaves if x.size <= _SMALL_LEAF]
-    if small:  # behind the barrier XLA keeps one reduction (see _finite_joined)
-        (masks,) = jax.lax.optimization_barrier((jnp.concatenate(small),))
-        checks.append(jnp.all(masks))
+    small = [x for x in leaves if x.size <= _SMALL_LEAF]
+    if small:
+        checks.append(_finite_joined(*small))
     return jnp.all(jnp.stack(checks))
 
 
