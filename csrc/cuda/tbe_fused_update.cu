@@ -3,7 +3,8 @@
 //
 // The handler first sorts the batch's positions by row key (cuda/row_sort.cuh: a CUB
 // radix sort over the bits of the row count). One group of lanes per run of equal keys (8 lanes for rows of
-// up to 128 columns, four rows per warp; a warp for wider rows) then
+// up to 128 columns, four rows per warp, with the runs of 5 entries or more left to a second launch that
+// gives each a warp; a warp for wider rows) then
 //   1. sums the run's gradient rows in sorted order into registers (4 columns per lane
 //      per chunk: the whole row stays in the group). A long run (a
 //      Zipf head id: its length grows with the batch, and under sharding with the

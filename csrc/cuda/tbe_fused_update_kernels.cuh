@@ -156,22 +156,38 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   }
 }
 
-// Sorted entry i goes to group i % (32 / kLanes) of warp i / (32 / kLanes); a group whose
-// entry heads a run updates that run's row, the others idle along (no lane leaves before
-// the last shuffle). Several rows per warp (RowGroups): each row's loads wait on the
-// loads before them, and a warp of four groups keeps four such chains in flight.
-template <OptimizerKind kKind, int kLanes, int kChunks, typename W, typename I>
-__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
-    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ offsets,
-                const I* __restrict__ sorted_keys, const I* __restrict__ sorted_positions,
-                const I* __restrict__ sorted_bags, FusedArgs a) {
-  constexpr int kGroups = kWarpSize / kLanes;
+// Which run heads a launch of the update takes: every one, or (rows in groups of lanes)
+// the short runs' heads, the groups' kernel, and the long runs', a warp's (LaunchFused).
+enum class Runs { kAll, kShort, kLong };
+
+// A run of at least this many sorted entries is long. A group of 8 lanes loads 4x the
+// columns of an entry a lane that a warp does, and a hot id's run (Zipf ids) of hundreds
+// of entries took a group 1.9x a warp's time (docs/fused.md, "Groups and Zipf ids").
+constexpr int kLongRun = 5;
+
+template <typename I>
+__device__ __forceinline__ bool LongRunAt(const I* __restrict__ sorted_keys, int64_t i, int64_t n, I key) {
+  return i + kLongRun - 1 < n && sorted_keys[i + kLongRun - 1] == key;
+}
+
+// Updates the row of the run headed by sorted entry i, if i heads a run of the class kRuns
+// (kLong: the caller found it so). Every lane of the warp calls this (the groups shuffle
+// together); a group whose entry heads no such run idles along (no lane leaves before the
+// last shuffle). Several rows per warp (RowGroups): each row's loads wait on the loads
+// before them, and a warp of four groups keeps four such chains in flight. `a` comes by
+// value, as the kernels take it: a reference to the kernel's parameter cost SGD's kernels
+// 12 more registers (76 against 64), one block an SM less.
+template <OptimizerKind kKind, Runs kRuns, int kLanes, int kChunks, typename W, typename I>
+__device__ __forceinline__ void UpdateRun(GroupRow<kLanes, kChunks>& row, const int64_t i,
+                                          const float* __restrict__ grad, W* __restrict__ weights,
+                                          const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                                          const I* __restrict__ sorted_positions,
+                                          const I* __restrict__ sorted_bags, const FusedArgs a) {
   const BackwardArgs& ga = a.grad;
-  GroupRow<kLanes, kChunks> row(threadIdx.x);
-  const int64_t i = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kGroups + row.group;
   bool active = i < ga.num_indices;
   const I key = active ? sorted_keys[i] : I{0};
   active = active && key != std::numeric_limits<I>::max() && !(i > 0 && sorted_keys[i - 1] == key);
+  if constexpr (kRuns == Runs::kShort) active = active && !LongRunAt(sorted_keys, i, ga.num_indices, key);
   const int64_t bag = active ? static_cast<int64_t>(sorted_bags[i]) : 0;
   active = active && RunEntryOk(ga, sorted_positions[i], bag);
   // The row comes from the key, as FBGEMM's backward does (key - the table's first row),
@@ -278,12 +294,49 @@ __global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
   }
 }
 
+// Sorted entry i goes to group i % (32 / kLanes) of warp i / (32 / kLanes).
+template <OptimizerKind kKind, Runs kRuns, int kLanes, int kChunks, typename W, typename I>
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
+    FusedUpdate(const float* __restrict__ grad, W* __restrict__ weights, const I* __restrict__ offsets,
+                const I* __restrict__ sorted_keys, const I* __restrict__ sorted_positions,
+                const I* __restrict__ sorted_bags, FusedArgs a) {
+  constexpr int kGroups = kWarpSize / kLanes;
+  GroupRow<kLanes, kChunks> row(threadIdx.x);
+  const int64_t i = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kGroups + row.group;
+  UpdateRun<kKind, kRuns>(row, i, grad, weights, offsets, sorted_keys, sorted_positions, sorted_bags, a);
+}
+
+// The long runs: warp w looks at sorted entries 32w to 32w + 31, a lane each, and updates
+// the rows of the long runs headed there one after another (at most seven: long runs'
+// heads are kLongRun entries apart), all 32 lanes on each.
+template <OptimizerKind kKind, int kChunks, typename W, typename I>
+__global__ void __launch_bounds__((kWarpsPerBlock * kWarpSize))
+    FusedUpdateLongRuns(const float* __restrict__ grad, W* __restrict__ weights,
+                        const I* __restrict__ offsets, const I* __restrict__ sorted_keys,
+                        const I* __restrict__ sorted_positions, const I* __restrict__ sorted_bags,
+                        FusedArgs a) {
+  const int64_t n = a.grad.num_indices;
+  const int64_t base = (int64_t{blockIdx.x} * kWarpsPerBlock + threadIdx.x / kWarpSize) * kWarpSize;
+  const int64_t j = base + threadIdx.x % kWarpSize;
+  bool head = false;
+  if (j < n) {
+    const I key = sorted_keys[j];
+    head = key != std::numeric_limits<I>::max() && !(j > 0 && sorted_keys[j - 1] == key) &&
+           LongRunAt(sorted_keys, j, n, key);
+  }
+  GroupRow<kWarpSize, kChunks> row(threadIdx.x);
+  for (unsigned heads = __ballot_sync(0xffffffff, head); heads != 0; heads &= heads - 1) {
+    UpdateRun<kKind, Runs::kLong>(row, base + __ffs(heads) - 1, grad, weights, offsets, sorted_keys,
+                                  sorted_positions, sorted_bags, a);
+  }
+}
+
 // A row of up to 32 columns (one float4 per lane of a group or warp), up to 128 (four
 // float4 per lane of a group of 8 lanes; one per lane of a warp), up to 512, up to 1024.
 template <OptimizerKind kKind, typename W, typename I>
 void LaunchFused(const Launch& l, int max_dim, const FusedArgs& a) {
-  const auto launch = [&](auto kernel, int lanes) {
-    const int64_t per_block = int64_t{kWarpsPerBlock} * (kWarpSize / lanes);
+  const auto launch = [&](auto kernel, int entries_per_warp) {
+    const int64_t per_block = int64_t{kWarpsPerBlock} * entries_per_warp;
     const auto blocks = static_cast<unsigned>((a.grad.num_indices + per_block - 1) / per_block);
     kernel<<<blocks, kWarpsPerBlock * kWarpSize, 0, l.stream>>>(
         l.grad, static_cast<W*>(l.weights), static_cast<const I*>(l.offsets),
@@ -291,14 +344,24 @@ void LaunchFused(const Launch& l, int max_dim, const FusedArgs& a) {
         static_cast<const I*>(l.sorted_bags), a);
   };
   constexpr int kSmall = RowLanes(kKind, 128);  // lanes per row of <= 128 columns
-  if (max_dim <= 4 * kSmall) {
-    launch(FusedUpdate<kKind, kSmall, 1, W, I>, kSmall);
+  if constexpr (kSmall < kWarpSize) {           // groups: their short runs, then the long ones by warps
+    if (max_dim <= 128) {
+      if (max_dim <= 4 * kSmall) {
+        launch(FusedUpdate<kKind, Runs::kShort, kSmall, 1, W, I>, kWarpSize / kSmall);
+      } else {
+        launch(FusedUpdate<kKind, Runs::kShort, kSmall, 128 / (4 * kSmall), W, I>, kWarpSize / kSmall);
+      }
+      launch(FusedUpdateLongRuns<kKind, 1, W, I>, kWarpSize);  // 32 entries a warp
+      return;
+    }
   } else if (max_dim <= 128) {
-    launch(FusedUpdate<kKind, kSmall, 128 / (4 * kSmall), W, I>, kSmall);
-  } else if (max_dim <= 512) {
-    launch(FusedUpdate<kKind, kWarpSize, 4, W, I>, kWarpSize);
+    launch(FusedUpdate<kKind, Runs::kAll, kWarpSize, 1, W, I>, 1);
+    return;
+  }
+  if (max_dim <= 512) {
+    launch(FusedUpdate<kKind, Runs::kAll, kWarpSize, 4, W, I>, 1);
   } else {
-    launch(FusedUpdate<kKind, kWarpSize, kMaxChunks, W, I>, kWarpSize);
+    launch(FusedUpdate<kKind, Runs::kAll, kWarpSize, kMaxChunks, W, I>, 1);
   }
 }
 

@@ -300,6 +300,46 @@ def test_hot_rows_longer_than_a_window(platform, name, pooling, weighted):
         w0, s0 = wr, sr
 
 
+@pytest.mark.parametrize("name", ["sgd", "rowwise_adagrad", "adam"])
+def test_runs_of_every_length_around_the_long_run_and_window_bounds(platform, name):
+    """The CUDA kernels of rows in groups of lanes (SGD, rowwise Adagrad at D <= 128) leave
+    the runs of at least 5 sorted entries (kLongRun) to warps; windows cut runs at
+    multiples of 64 entries (256 for Adam's warps). Each table's rows get runs of 1-9,
+    31-33, 63-65 and 130 entries, spread over the bags of the table's features in random
+    order, so that runs begin everywhere relative to the windows; two steps, padding after
+    the last offset."""
+    config = CONFIGS[name]
+    rng = np.random.default_rng(23)
+    counts = [1, 2, 3, 4, 5, 6, 7, 8, 9, 31, 32, 33, 63, 64, 65, 130]
+    batch_size, capacity = 64, 1600
+    w0, s0 = random_inputs(rng, config, LAYOUT, PoolingMode.SUM, False, jnp.float32)
+    kernel = _step(config, LAYOUT, PoolingMode.SUM, False, "kernel")
+    reference = _step(config, LAYOUT, PoolingMode.SUM, False, "reference")
+    for _ in range(2):
+        ids = [[] for _ in range(LAYOUT.num_features)]
+        for t, rows in enumerate(LAYOUT.rows):
+            features = [f for f, table in enumerate(LAYOUT.feature_table_map) if table == t]
+            for row, count in zip(rng.permutation(rows), rng.permutation(counts)):
+                for f in rng.choice(features, size=count):
+                    ids[f].append(row)
+        lengths, indices = [], []
+        for feature_ids in ids:
+            feature_ids = rng.permutation(np.asarray(feature_ids))
+            cuts = np.sort(rng.integers(0, len(feature_ids) + 1, batch_size - 1))
+            lengths.extend(np.diff(np.concatenate([[0], cuts, [len(feature_ids)]])))
+            indices.append(feature_ids)
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+        assert offsets[-1] <= capacity
+        indices = np.concatenate(indices + [rng.integers(0, 9, capacity - offsets[-1])]).astype(np.int32)
+        grad_output = rng.normal(size=(batch_size, LAYOUT.total_dim)).astype(np.float32)
+        psw = np.zeros(capacity, np.float32)
+        wr, sr, gr, _ = reference(w0, s0, grad_output, indices, offsets, psw)
+        assert_same_update(config, kernel(w0, s0, grad_output, indices, offsets, psw), (wr, sr, gr),
+                           False, rtol=1e-4)
+        assert np.max(np.abs(np.asarray(wr) - np.asarray(w0))) > 1e-3
+        w0, s0 = wr, sr
+
+
 def test_int64_ids(platform, x64):
     config = CONFIGS["rowwise_adagrad"]
     rng = np.random.default_rng(9)
