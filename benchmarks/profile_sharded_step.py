@@ -50,7 +50,9 @@ DEFAULT_CASES = ("row_wise:1:bfloat16:1:rows,row_wise:4:bfloat16:1:rows,"
 
 
 def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, tables, initial,
-          batch: int):
+          batch: int, step=None):
+    """``(call, batches, row_return_capacity)``: ``call(batch)`` issues one train step,
+    ``step`` (default ``make_train_step(bce)``) on a new model."""
     devices = jax.devices()[:n]
     mesh = jax.sharding.Mesh(np.asarray(devices), ("data",))
     constraints = {t.name: par.ParameterConstraints(sharding_types=[kind]) for t in tables}
@@ -68,7 +70,7 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     if not rows:
         ebc.row_return_capacity = (0,) * len(ebc.row_return_capacity)
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    step = make_train_step(bce)
+    step = step or make_train_step(bce)
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
 
 

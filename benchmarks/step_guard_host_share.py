@@ -1,0 +1,127 @@
+"""The step guard's share of the host's time per step, inside one process.
+
+    python benchmarks/step_guard_host_share.py OUT.json [--case row_wise:1:float32:1:rows]
+
+A process's host time per step falls into modes about 1.5x apart that last its whole life
+(docs/parallel.md, "the step guard's host side"), so two builds, each in its own process,
+compare poorly. Variants of one build compare inside one process: this builds the model of
+``profile_sharded_step.py`` once per variant of the train step and alternates 20-step
+blocks of them (15 repeats, medians; ``host_ms`` and of it ``dispatch_ms`` as in
+``sharded_host_time.py``):
+
+* ``raise``: the default step (``on_nonfinite="raise"``);
+* ``ignore``: ``on_nonfinite="ignore"`` (no finiteness check, no selects of the old state);
+* ``nofinite``: the default with its finiteness check replaced by ``True``;
+* ``noread``: the default without the every-16th-step latch copy and read.
+
+``nofinite`` and ``noread`` change the guard and exist to measure it, not to train.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxrec._step_guard as guard
+from jaxrec.benchmark._environment import environment
+from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, SyntheticClickLog
+from jaxrec.nn import EmbeddingBagConfig, make_train_step
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_sharded_step import build
+from sharded_dlrm_gpu import bce
+from sharded_host_time import WARM_UP_STEPS, DispatchTimer
+
+VARIANTS = ("raise", "ignore", "nofinite", "noread")
+
+
+def _never_read(monitor, fatal, latch, messages) -> None:
+    monitor._latch = latch
+    monitor.steps += 1
+
+
+def variant_step(name: str):
+    step = make_train_step(bce, on_nonfinite="ignore" if name == "ignore" else "raise")
+    if name == "noread":
+        step._monitor.issued = _never_read.__get__(step._monitor)
+    return step
+
+
+def first_call(name: str, call, batch) -> None:
+    """Compiles the step; ``nofinite`` compiles with the finiteness check as ``True``."""
+    keep = guard.all_finite
+    if name == "nofinite":
+        guard.all_finite = lambda leaves: jnp.ones((), bool)
+    try:
+        jax.block_until_ready(call(batch))
+    finally:
+        guard.all_finite = keep
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("out")
+    p.add_argument("--case", default="row_wise:1:float32:1:rows")
+    p.add_argument("--max-rows", type=int, default=100_000)
+    p.add_argument("--batch-size", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=15)
+    args = p.parse_args(argv)
+    log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
+                            max_rows=args.max_rows, scatter_ids=True, seed=0)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=128,
+                                 feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
+    rngs = nnx.Rngs(0)
+    with jax.default_device(jax.devices()[0]):
+        initial = {t.name: {"weights": np.asarray(t.init(rngs.params()))} for t in tables}
+    kind, n, comm_dtype, bound, rows = args.case.split(":")
+    calls = {}
+    with DispatchTimer() as timer:
+        for name in VARIANTS:
+            call, batches, _ = build(kind, int(n), comm_dtype, int(bound), rows == "rows", log,
+                                     tables, initial, args.batch_size, step=variant_step(name))
+            first_call(name, call, batches[0])
+            for i in range(WARM_UP_STEPS):
+                out = call(batches[i % 4])
+            jax.block_until_ready(out)
+            calls[name] = (call, batches)
+        samples = {name: {"host_ms": [], "dispatch_ms": [], "step_ms": []} for name in VARIANTS}
+        for r in range(args.repeats):
+            for name in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
+                call, batches = calls[name]
+                timer.seconds = 0.0
+                start = time.perf_counter()
+                for i in range(20):
+                    out = call(batches[i % 4])
+                issued = time.perf_counter()
+                jax.block_until_ready(out)
+                done = time.perf_counter()
+                samples[name]["host_ms"].append((issued - start) / 20 * 1e3)
+                samples[name]["dispatch_ms"].append(timer.seconds / 20 * 1e3)
+                samples[name]["step_ms"].append((done - start) / 20 * 1e3)
+    median = {name: {k: statistics.median(v) for k, v in s.items()} for name, s in samples.items()}
+    result = {**environment("step_guard_host_share", jax.devices()[0].device_kind, {}, {}),
+              "case": args.case,
+              "batch_per_device": args.batch_size, "median": median,
+              "host_ms_over_raise": {name: median[name]["host_ms"] / median["raise"]["host_ms"]
+                                     for name in VARIANTS},
+              "samples": samples}
+    for name in VARIANTS:
+        print(f"{name}: host {median[name]['host_ms']:.3f} ms (dispatch "
+              f"{median[name]['dispatch_ms']:.3f}), {result['host_ms_over_raise'][name]:.3f}x raise; "
+              f"step {median[name]['step_ms']:.3f}", flush=True)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
