@@ -3,7 +3,7 @@
     python benchmarks/step_guard_host_share.py OUT.json [--case row_wise:1:float32:1:rows]
 
 A process's host time per step falls into modes about 1.5x apart that last its whole life
-(docs/parallel.md, "the step guard's host side"), so two builds, each in its own process,
+(docs/parallel.md, "Host time of a step"), so two builds, each in its own process,
 compare poorly. Variants of one build compare inside one process: this builds the model of
 ``profile_sharded_step.py`` once per variant of the train step and alternates 20-step
 blocks of them (15 repeats, medians; ``host_ms`` and of it ``dispatch_ms`` as in
