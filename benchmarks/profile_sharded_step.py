@@ -74,6 +74,19 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
 
 
+def criteo_tables(max_rows: int):
+    """``(log, tables, initial)``: the synthetic Criteo log (hot ids scattered), its 26 tables
+    of D=128 capped at ``max_rows`` rows, and their initial weights (host arrays)."""
+    log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
+                            max_rows=max_rows, scatter_ids=True, seed=0)
+    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=FULL["dim"],
+                                 feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
+    rngs = nnx.Rngs(0)
+    with jax.default_device(jax.devices()[0]):
+        initial = {t.name: {"weights": np.asarray(t.init(rngs.params()))} for t in tables}
+    return log, tables, initial
+
+
 def host_profile(call, batches, top: int, steps: int = 50) -> list[dict]:
     """The host's time per step to issue ``steps`` back-to-back steps, per Python function
     (``cProfile``'s own time, which inflates Python against C++ calls), most first."""
@@ -135,13 +148,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--top", type=int, default=60)
     args = p.parse_args(argv)
-    log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
-                            max_rows=args.max_rows, scatter_ids=True, seed=0)
-    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=FULL["dim"],
-                                 feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
-    rngs = nnx.Rngs(0)
-    with jax.default_device(jax.devices()[0]):
-        initial = {t.name: {"weights": np.asarray(t.init(rngs.params()))} for t in tables}
+    log, tables, initial = criteo_tables(args.max_rows)
     result = environment("profile_sharded_step", jax.devices()[0].device_kind, {}, {})
     result["cases"] = []
     for spec in args.cases.split(","):

@@ -28,16 +28,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import nnx
 
 import jaxrec._step_guard as guard
 from jaxrec.benchmark._environment import environment
-from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, SyntheticClickLog
-from jaxrec.nn import EmbeddingBagConfig, make_train_step
+from jaxrec.nn import make_train_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_sharded_step import build
+from profile_sharded_step import build, criteo_tables
 from sharded_dlrm_gpu import bce
 from sharded_host_time import WARM_UP_STEPS, DispatchTimer
 
@@ -75,13 +72,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch-size", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
-    log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
-                            max_rows=args.max_rows, scatter_ids=True, seed=0)
-    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=128,
-                                 feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
-    rngs = nnx.Rngs(0)
-    with jax.default_device(jax.devices()[0]):
-        initial = {t.name: {"weights": np.asarray(t.init(rngs.params()))} for t in tables}
+    log, tables, initial = criteo_tables(args.max_rows)
     kind, n, comm_dtype, bound, rows = args.case.split(":")
     calls = {}
     with DispatchTimer() as timer:
