@@ -70,7 +70,8 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     if not rows:
         ebc.row_return_capacity = (0,) * len(ebc.row_return_capacity)
     opt = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
-    step = step or make_train_step(bce)
+    if step is None:
+        step = make_train_step(bce)
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +35,7 @@ from jaxrec.nn import make_train_step
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_sharded_step import build, criteo_tables
 from sharded_dlrm_gpu import bce
-from sharded_host_time import WARM_UP_STEPS, DispatchTimer
+from sharded_host_time import WARM_UP_STEPS, DispatchTimer, back_to_back
 
 VARIANTS = ("raise", "ignore", "nofinite", "noread")
 
@@ -87,17 +86,8 @@ def main(argv=None) -> int:
         samples = {name: {"host_ms": [], "dispatch_ms": [], "step_ms": []} for name in VARIANTS}
         for r in range(args.repeats):
             for name in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
-                call, batches = calls[name]
-                timer.seconds = 0.0
-                start = time.perf_counter()
-                for i in range(20):
-                    out = call(batches[i % 4])
-                issued = time.perf_counter()
-                jax.block_until_ready(out)
-                done = time.perf_counter()
-                samples[name]["host_ms"].append((issued - start) / 20 * 1e3)
-                samples[name]["dispatch_ms"].append(timer.seconds / 20 * 1e3)
-                samples[name]["step_ms"].append((done - start) / 20 * 1e3)
+                for key, value in back_to_back(*calls[name], timer).items():
+                    samples[name][key].append(value)
     median = {name: {k: statistics.median(v) for k, v in s.items()} for name, s in samples.items()}
     result = {**environment("step_guard_host_share", jax.devices()[0].device_kind, {}, {}),
               "case": args.case,
