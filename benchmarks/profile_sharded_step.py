@@ -21,6 +21,7 @@ import argparse
 import collections
 import cProfile
 import glob
+import importlib
 import os
 import pstats
 import sys
@@ -36,9 +37,8 @@ from flax import nnx
 import jaxrec.parallel as par
 from jaxrec.benchmark._environment import environment
 from jaxrec.benchmark._report import write_json
-from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, SyntheticClickLog
 from jaxrec.models import DLRM
-from jaxrec.nn import EmbeddingBagConfig, make_train_step
+from jaxrec.nn import make_train_step
 from jaxrec.optim import RowWiseAdagrad
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -75,13 +75,16 @@ def build(kind: str, n: int, comm_dtype: str, bound: int, rows: bool, log, table
     return (lambda b: step(model, opt, b)), batches, list(ebc.row_return_capacity)
 
 
-def criteo_tables(max_rows: int):
+def criteo_tables(max_rows: int, package: str = "jaxrec"):
     """``(log, tables, initial)``: the synthetic Criteo log (hot ids scattered), its 26 tables
-    of D=128 capped at ``max_rows`` rows, and their initial weights (host arrays)."""
-    log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
-                            max_rows=max_rows, scatter_ids=True, seed=0)
-    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=FULL["dim"],
-                                 feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
+    of D=128 capped at ``max_rows`` rows, and their initial weights (host arrays); of the
+    classes of ``package`` (an older build's, ``older_build.py``, to pass to its ``build``)."""
+    data = importlib.import_module(f"{package}.data")
+    config = importlib.import_module(f"{package}.nn").EmbeddingBagConfig
+    log = data.SyntheticClickLog(num_embeddings_per_feature=data.CRITEO_KAGGLE_CARDINALITIES,
+                                 max_rows=max_rows, scatter_ids=True, seed=0)
+    tables = [config(name=f"t_{k}", num_embeddings=r, embedding_dim=FULL["dim"],
+                     feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
     rngs = nnx.Rngs(0)
     with jax.default_device(jax.devices()[0]):
         initial = {t.name: {"weights": np.asarray(t.init(rngs.params()))} for t in tables}

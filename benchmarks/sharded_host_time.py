@@ -1,21 +1,25 @@
 """The host's time to issue a sharded DLRM train step, for comparing builds.
 
-    python benchmarks/sharded_host_time.py OUT.json LABEL [--checkout DIR] [--cases ...]
+    python benchmarks/sharded_host_time.py OUT.json LABEL [--against DIR] [--cases ...]
 
 Builds the model of ``profile_sharded_step.py`` (``build``: 26 Criteo tables, D=128, fused
 rowwise Adagrad, one Zipf id per bag) for each case (``kind:devices:comm_dtype:max_ids:rows``)
 and measures, after ``WARM_UP_STEPS`` warm-up steps:
 
+* ``host_ms``: the time to issue 20 back-to-back steps, per step, the median of
+  ``--repeats`` blocks; of it ``dispatch_ms``, inside the compiled step's call (launching
+  its kernels), and ``python_ms``, the rest; ``step_ms``: the 20 steps to completion, per step;
 * ``issue_ms``: one step issued while nothing is queued on the device (the step is
   awaited before the next is issued), the median of 60: the host's own work per step,
-  free of backpressure from a device that is behind;
-* ``host_ms``: the time to issue 20 back-to-back steps, per step, the median of 15
-  repeats; of it ``dispatch_ms``, inside the compiled step's call (launching its kernels),
-  and ``python_ms``, the rest; ``step_ms``: the 20 steps to completion, per step.
+  free of backpressure from a device that is behind.
 
-Tables are capped at ``--max-rows`` (100,000: the host's work does not depend on a table's
-size). ``--checkout DIR`` takes ``build`` from that checkout's benchmarks (an older build,
-installed where ``PYTHONPATH`` points): alternate the builds, one process each, to compare.
+``--against DIR`` builds the same model with an older built checkout in the same process
+(``older_build.py``) and alternates the two builds' blocks and steps. A process's host
+time falls into modes about 1.5x apart for its whole life, so builds compare only inside
+one process; run several processes to sample the modes, alternating ``--base-first``: on
+one GPU the model built first issued its steps up to 1.08x slower than a second copy of
+itself built last (docs/parallel.md, "Host time of a step"). Tables are capped at
+``--max-rows`` (100,000: the host's work does not depend on a table's size).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -84,65 +89,84 @@ def back_to_back(call, batches, timer: DispatchTimer) -> dict:
             "step_ms": (done - start) / 20 * 1e3}
 
 
-def measure(call, batches, timer: DispatchTimer) -> dict:
-    for i in range(WARM_UP_STEPS):
-        jax.block_until_ready(call(batches[i % 4]))
-    host, dispatch, step = [], [], []
-    for _ in range(15):
-        block = back_to_back(call, batches, timer)
-        host.append(block["host_ms"])
-        dispatch.append(block["dispatch_ms"])
-        step.append(block["step_ms"])
-    issue = []
-    for i in range(60):
-        start = time.perf_counter()
-        out = call(batches[i % 4])
-        issue.append((time.perf_counter() - start) * 1e3)
+def measure(calls: dict, timer: DispatchTimer, repeats: int = 15) -> dict:
+    """``calls`` maps a name to ``(call, batches)``. After ``WARM_UP_STEPS`` each, their
+    20-step blocks alternate, in an order rotated each repeat, and then their single steps;
+    per name, medians and samples."""
+    for call, batches in calls.values():
+        for i in range(WARM_UP_STEPS):
+            out = call(batches[i % 4])
         jax.block_until_ready(out)
-    median = statistics.median
-    return {"issue_ms": median(issue), "host_ms": median(host), "dispatch_ms": median(dispatch),
-            "python_ms": median(h - d for h, d in zip(host, dispatch)), "step_ms": median(step),
-            "samples": {"issue_ms": issue, "host_ms": host, "dispatch_ms": dispatch, "step_ms": step}}
+    names = list(calls)
+    samples = {n: {"issue_ms": [], "host_ms": [], "dispatch_ms": [], "python_ms": [],
+                   "step_ms": []} for n in names}
+    for r in range(repeats):
+        for n in names[r % len(names):] + names[:r % len(names)]:
+            block = back_to_back(*calls[n], timer)
+            block["python_ms"] = block["host_ms"] - block["dispatch_ms"]
+            for key, value in block.items():
+                samples[n][key].append(value)
+    for i in range(60):
+        for n in names:
+            call, batches = calls[n]
+            start = time.perf_counter()
+            out = call(batches[i % 4])
+            samples[n]["issue_ms"].append((time.perf_counter() - start) * 1e3)
+            jax.block_until_ready(out)
+    return {n: {**{k: statistics.median(v) for k, v in s.items()}, "samples": s}
+            for n, s in samples.items()}
+
+
+def load_builds(label: str, against: str | None, max_rows: int) -> dict:
+    """``{label: (build, (log, tables, initial))}`` for this build and, given ``against``
+    (an older built checkout), ``"base"`` for that one, in this process (``older_build.py``):
+    ``profile_sharded_step``'s ``build`` and ``criteo_tables`` inputs of each."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import profile_sharded_step
+
+    builds = {label: (profile_sharded_step.build, profile_sharded_step.criteo_tables(max_rows))}
+    if against:
+        from older_build import PACKAGE, import_older
+
+        older = import_older(against, tempfile.mkdtemp())
+        builds["base"] = (older.build, profile_sharded_step.criteo_tables(max_rows, PACKAGE))
+    return builds
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
-    p.add_argument("label")
-    p.add_argument("--checkout", help="take build() from this checkout's benchmarks/")
+    p.add_argument("label", help="this build's name in the results")
+    p.add_argument("--against", metavar="DIR",
+                   help="an older built checkout to run in this process too (as 'base')")
+    p.add_argument("--base-first", action="store_true",
+                   help="build the older checkout's model first (alternate it across processes)")
     p.add_argument("--cases", default="row_wise:2:float32:1:rows,table_wise:2:float32:1:rows,"
                                       "row_wise:1:float32:1:rows")
     p.add_argument("--max-rows", type=int, default=100_000)
     p.add_argument("--batch-size", type=int, default=16384)
+    p.add_argument("--repeats", type=int, default=15)
     args = p.parse_args(argv)
-    sys.path.insert(0, os.path.join(args.checkout, "benchmarks") if args.checkout
-                    else os.path.dirname(os.path.abspath(__file__)))
-    import numpy as np
-    from flax import nnx
-    from profile_sharded_step import build
-
-    from jaxrec.data import CRITEO_KAGGLE_CARDINALITIES, SyntheticClickLog
-    from jaxrec.nn import EmbeddingBagConfig
-
-    log = SyntheticClickLog(num_embeddings_per_feature=CRITEO_KAGGLE_CARDINALITIES,
-                            max_rows=args.max_rows, scatter_ids=True, seed=0)
-    tables = [EmbeddingBagConfig(name=f"t_{k}", num_embeddings=r, embedding_dim=128,
-                                 feature_names=[k]) for k, r in zip(log.keys, log.table_sizes)]
-    rngs = nnx.Rngs(0)
-    with jax.default_device(jax.devices()[0]):
-        initial = {t.name: {"weights": np.asarray(t.init(rngs.params()))} for t in tables}
-    result = {"label": args.label, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
-              "batch_per_device": args.batch_size, "max_rows": args.max_rows, "cases": {}}
+    builds = load_builds(args.label, args.against, args.max_rows)
+    if args.base_first:
+        builds = dict(reversed(builds.items()))
+    result = {"labels": list(builds), "device": jax.devices()[0].device_kind,
+              "jax": jax.__version__, "batch_per_device": args.batch_size,
+              "max_rows": args.max_rows, "repeats": args.repeats, "cases": {}}
     for spec in args.cases.split(","):
         kind, n, comm_dtype, bound, rows = spec.split(":")
         with DispatchTimer() as timer:
-            call, batches, _ = build(kind, int(n), comm_dtype, int(bound), rows == "rows", log,
-                                     tables, initial, args.batch_size)
-            case = result["cases"][spec] = measure(call, batches, timer)
-        print(f"{args.label} {spec}: issue alone {case['issue_ms']:.3f} ms; back to back: host "
-              f"{case['host_ms']:.3f} (dispatch {case['dispatch_ms']:.3f}, python "
-              f"{case['python_ms']:.3f}), step {case['step_ms']:.3f}", flush=True)
-        del call, batches
+            calls = {}
+            for label, (build, (log, tables, initial)) in builds.items():
+                call, batches, _ = build(kind, int(n), comm_dtype, int(bound), rows == "rows",
+                                         log, tables, initial, args.batch_size)
+                calls[label] = (call, batches)
+            case = result["cases"][spec] = measure(calls, timer, args.repeats)
+        for label, m in case.items():
+            print(f"{label} {spec}: issue alone {m['issue_ms']:.3f} ms; back to back: host "
+                  f"{m['host_ms']:.3f} (dispatch {m['dispatch_ms']:.3f}, python "
+                  f"{m['python_ms']:.3f}), step {m['step_ms']:.3f}", flush=True)
+        del calls
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
     return 0

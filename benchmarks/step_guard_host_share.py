@@ -6,8 +6,7 @@ A process's host time per step falls into modes about 1.5x apart that last its w
 (docs/parallel.md, "Host time of a step"), so two builds, each in its own process,
 compare poorly. Variants of one build compare inside one process: this builds the model of
 ``profile_sharded_step.py`` once per variant of the train step and alternates 20-step
-blocks of them (15 repeats, medians; ``host_ms`` and of it ``dispatch_ms`` as in
-``sharded_host_time.py``):
+blocks of them (``sharded_host_time.measure``: 15 repeats, medians):
 
 * ``raise``: the default step (``on_nonfinite="raise"``);
 * ``ignore``: ``on_nonfinite="ignore"`` (no finiteness check, no selects of the old state);
@@ -22,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import jax
@@ -35,7 +33,7 @@ from jaxrec.nn import make_train_step
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from profile_sharded_step import build, criteo_tables
 from sharded_dlrm_gpu import bce
-from sharded_host_time import WARM_UP_STEPS, DispatchTimer, back_to_back
+from sharded_host_time import DispatchTimer, measure
 
 VARIANTS = ("raise", "ignore", "nofinite", "noread")
 
@@ -79,16 +77,10 @@ def main(argv=None) -> int:
             call, batches, _ = build(kind, int(n), comm_dtype, int(bound), rows == "rows", log,
                                      tables, initial, args.batch_size, step=variant_step(name))
             first_call(name, call, batches[0])
-            for i in range(WARM_UP_STEPS):
-                out = call(batches[i % 4])
-            jax.block_until_ready(out)
             calls[name] = (call, batches)
-        samples = {name: {"host_ms": [], "dispatch_ms": [], "step_ms": []} for name in VARIANTS}
-        for r in range(args.repeats):
-            for name in VARIANTS[r % len(VARIANTS):] + VARIANTS[:r % len(VARIANTS)]:
-                for key, value in back_to_back(*calls[name], timer).items():
-                    samples[name][key].append(value)
-    median = {name: {k: statistics.median(v) for k, v in s.items()} for name, s in samples.items()}
+        measured = measure(calls, timer, args.repeats)
+    median = {name: {k: v for k, v in m.items() if k != "samples"} for name, m in measured.items()}
+    samples = {name: m["samples"] for name, m in measured.items()}
     result = {**environment("step_guard_host_share", jax.devices()[0].device_kind, {}, {}),
               "case": args.case,
               "batch_per_device": args.batch_size, "median": median,

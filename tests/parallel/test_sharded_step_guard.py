@@ -65,3 +65,23 @@ def test_a_bad_device_skips_the_step_everywhere(case):
     step(model, optimizer, par.shard_batch(random_batch(3, weighted=True), mesh()))
     step.check()
     assert step.stats()["steps"] == 3
+
+
+def test_corrected_ids_of_every_device_are_counted():
+    """WARNING corrections on two devices add up in the step's stats (the guard sums each
+    device's counts over the mesh)."""
+
+    def corrected(devices):
+        model = sharded("WARNING")
+        optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+        step = make_train_step(lambda m, b: squared_error(m, b, N * B))
+        batch = random_batch(4, weighted=False)
+        for device in devices:
+            batch = with_bad_id(batch, device)
+        step(model, optimizer, par.shard_batch(batch, mesh()))
+        return step.stats()["ids_corrected"]
+
+    one = corrected([5])
+    assert one > 0
+    assert corrected([2, 5]) == 2 * one
+
