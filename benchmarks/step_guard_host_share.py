@@ -11,9 +11,13 @@ blocks of them (``sharded_host_time.measure``: 15 repeats, medians):
 * ``raise``: the default step (``on_nonfinite="raise"``);
 * ``ignore``: ``on_nonfinite="ignore"`` (no finiteness check, no selects of the old state);
 * ``nofinite``: the default with its finiteness check replaced by ``True``;
-* ``noread``: the default without the every-16th-step latch copy and read.
+* ``noread``: the default without the every-16th-step latch copy and read;
+* ``local`` (sharded cases only): the default without its two collectives, the ``pmin``
+  of the fused tables' gate and the psum of the step's verdict and counts: each device
+  decides alone.
 
-``nofinite`` and ``noread`` change the guard and exist to measure it, not to train.
+``nofinite``, ``noread`` and ``local`` change the guard and exist to measure it, not to
+train.
 """
 
 from __future__ import annotations
@@ -35,7 +39,7 @@ from profile_sharded_step import build, criteo_tables
 from sharded_dlrm_gpu import bce
 from sharded_host_time import DispatchTimer, measure
 
-VARIANTS = ("raise", "ignore", "nofinite", "noread")
+VARIANTS = ("raise", "ignore", "nofinite", "noread", "local")
 
 
 def _never_read(monitor, fatal, latch, messages) -> None:
@@ -51,14 +55,17 @@ def variant_step(name: str):
 
 
 def first_call(name: str, call, batch) -> None:
-    """Compiles the step; ``nofinite`` compiles with the finiteness check as ``True``."""
-    keep = guard.all_finite
+    """Compiles the step; ``nofinite`` compiles with the finiteness check as ``True``,
+    ``local`` with the guard's trace told of no mesh axis."""
+    keep = guard.all_finite, guard.tracing
     if name == "nofinite":
         guard.all_finite = lambda leaves: jnp.ones((), bool)
+    if name == "local":
+        guard.tracing = lambda policy, latch, axis_name=None: keep[1](policy, latch)
     try:
         jax.block_until_ready(call(batch))
     finally:
-        guard.all_finite = keep
+        guard.all_finite, guard.tracing = keep
 
 
 def main(argv=None) -> int:
@@ -71,9 +78,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     log, tables, initial = criteo_tables(args.max_rows)
     kind, n, comm_dtype, bound, rows = args.case.split(":")
+    variants = VARIANTS if int(n) > 1 else VARIANTS[:-1]
     calls = {}
     with DispatchTimer() as timer:
-        for name in VARIANTS:
+        for name in variants:
             call, batches, _ = build(kind, int(n), comm_dtype, int(bound), rows == "rows", log,
                                      tables, initial, args.batch_size, step=variant_step(name))
             first_call(name, call, batches[0])
@@ -85,9 +93,9 @@ def main(argv=None) -> int:
               "case": args.case,
               "batch_per_device": args.batch_size, "median": median,
               "host_ms_over_raise": {name: median[name]["host_ms"] / median["raise"]["host_ms"]
-                                     for name in VARIANTS},
+                                     for name in variants},
               "samples": samples}
-    for name in VARIANTS:
+    for name in variants:
         print(f"{name}: host {median[name]['host_ms']:.3f} ms (dispatch "
               f"{median[name]['dispatch_ms']:.3f}), {result['host_ms_over_raise'][name]:.3f}x raise; "
               f"step {median[name]['step_ms']:.3f}", flush=True)
