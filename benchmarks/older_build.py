@@ -32,30 +32,29 @@ def _rename(text: str, modules: list[str]) -> str:
     return text
 
 
+def _copy_renamed(source: str, target: str, modules: list[str]) -> None:
+    with open(source) as f:
+        text = f.read()
+    with open(target, "w") as f:
+        f.write(_rename(text, modules))
+
+
 def import_older(checkout: str, into: str, module: str = "profile_sharded_step"):
     """Copies ``checkout``'s ``src/jaxrec`` and ``benchmarks/*.py`` under ``into`` renamed
     (above) and returns its benchmark ``module``, imported."""
     package = os.path.join(into, PACKAGE)
     shutil.copytree(os.path.join(checkout, "src", "jaxrec"), package,
                     ignore=shutil.ignore_patterns("__pycache__"))
-    libs = os.path.join(package, "_lib")
-    for name in os.listdir(libs):
-        if name.startswith("libjaxrec_"):
-            os.rename(os.path.join(libs, name), os.path.join(libs, "lib" + _rename(name[3:], [])))
-    bench = os.path.join(checkout, "benchmarks")
-    modules = [n[:-3] for n in os.listdir(bench) if n.endswith(".py")]
     for root, _, files in os.walk(package):
         for name in files:
+            path = os.path.join(root, name)
             if name.endswith(".py"):
-                path = os.path.join(root, name)
-                with open(path) as f:
-                    text = f.read()
-                with open(path, "w") as f:
-                    f.write(_rename(text, []))
+                _copy_renamed(path, path, [])
+            elif name.startswith("libjaxrec_"):
+                os.rename(path, os.path.join(root, "lib" + _rename(name[3:], [])))
+    bench = os.path.join(checkout, "benchmarks")
+    modules = [n[:-3] for n in os.listdir(bench) if n.endswith(".py")]
     for m in modules:
-        with open(os.path.join(bench, m + ".py")) as f:
-            text = f.read()
-        with open(os.path.join(into, f"base_{m}.py"), "w") as f:
-            f.write(_rename(text, modules))
+        _copy_renamed(os.path.join(bench, m + ".py"), os.path.join(into, f"base_{m}.py"), modules)
     sys.path.insert(0, into)
     return importlib.import_module(f"base_{module}")
