@@ -84,4 +84,3 @@ def test_corrected_ids_of_every_device_are_counted():
     one = corrected([5])
     assert one > 0
     assert corrected([2, 5]) == 2 * one
-
