@@ -12,9 +12,9 @@ blocks of them (``sharded_host_time.measure``: 15 repeats, medians):
 * ``ignore``: ``on_nonfinite="ignore"`` (no finiteness check, no selects of the old state);
 * ``nofinite``: the default with its finiteness check replaced by ``True``;
 * ``noread``: the default without the every-16th-step latch copy and read;
-* ``local`` (sharded cases only): the default without its two collectives, the ``pmin``
-  of the fused tables' gate and the psum of the step's verdict and counts: each device
-  decides alone.
+* ``local`` (sharded cases only): the default without its two collectives, the
+  all-reduce of the verdict before the backward and the one of the counts after the
+  finiteness check: each device decides alone.
 
 ``nofinite``, ``noread`` and ``local`` change the guard and exist to measure it, not to
 train.

@@ -84,3 +84,27 @@ def test_corrected_ids_of_every_device_are_counted():
     one = corrected([5])
     assert one > 0
     assert corrected([2, 5]) == 2 * one
+
+
+def test_a_nan_loss_whose_cotangents_reach_no_shard_skips_every_shard():
+    """Rows sent back (one-hot bags): device 5's samples read no rows, so its NaN loss
+    sends its cotangents to no owner. The guard agrees on the loss before the backward
+    (``_step_guard.seed``), so every device's shards skip all the same."""
+    model = build(RowWiseAdagrad(learning_rate=0.1))
+    model = par.shard(model, plan("row_wise"), mesh(), max_ids_per_bag=1)
+    optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+    step = make_train_step(lambda m, b: squared_error(m, b, N * B))
+    step(model, optimizer, par.shard_batch(random_batch(1, weighted=False, one_hot=True), mesh(),
+                                           model=model))
+    step.check()
+    before = snapshot(model, optimizer)
+    batch = random_batch(2, weighted=False, one_hot=True, empty_device=5)
+    dense = np.asarray(batch.dense).copy()
+    dense[5 * B, 1] = np.nan
+    batch = par.shard_batch(Batch(dense, batch.sparse, batch.labels, batch.mask), mesh(), model=model)
+    assert all(k > 0 for k in model.sparse_arch.row_return_capacity)  # the rows path
+    step(model, optimizer, batch)
+    with pytest.raises(NonFiniteError, match="train step 1"):
+        step.check()
+    for a, b in zip(before, snapshot(model, optimizer)):
+        np.testing.assert_array_equal(a, b)
