@@ -18,7 +18,9 @@ and measures, after ``WARM_UP_STEPS`` warm-up steps:
 time falls into modes about 1.5x apart for its whole life, so builds compare only inside
 one process; run several processes to sample the modes, alternating ``--base-first``: on
 one GPU the model built first issued its steps up to 1.08x slower than a second copy of
-itself built last (docs/parallel.md, "Host time of a step"). Tables are capped at
+itself built last (docs/parallel.md, "Host time of a step"). ``--settle`` measures each
+block after an unmeasured block of the same build, as in a process that trains one
+model; without it every block follows the other build's. Tables are capped at
 ``--max-rows`` (100,000: the host's work does not depend on a table's size).
 """
 
@@ -89,10 +91,14 @@ def back_to_back(call, batches, timer: DispatchTimer) -> dict:
             "step_ms": (done - start) / 20 * 1e3}
 
 
-def measure(calls: dict, timer: DispatchTimer, repeats: int = 15) -> dict:
+def measure(calls: dict, timer: DispatchTimer, repeats: int = 15, settle: bool = False) -> dict:
     """``calls`` maps a name to ``(call, batches)``. After ``WARM_UP_STEPS`` each, their
     20-step blocks alternate, in an order rotated each repeat, and then their single steps;
-    per name, medians and samples."""
+    per name, medians and samples.
+
+    ``settle``: each measured block (and single step) follows an unmeasured one of the same
+    call, as in a process that trains one model; else it follows another call's, whose
+    code and buffers have just passed through the host's caches."""
     for call, batches in calls.values():
         for i in range(WARM_UP_STEPS):
             out = call(batches[i % 4])
@@ -102,6 +108,8 @@ def measure(calls: dict, timer: DispatchTimer, repeats: int = 15) -> dict:
                    "step_ms": []} for n in names}
     for r in range(repeats):
         for n in names[r % len(names):] + names[:r % len(names)]:
+            if settle:
+                back_to_back(*calls[n], timer)
             block = back_to_back(*calls[n], timer)
             block["python_ms"] = block["host_ms"] - block["dispatch_ms"]
             for key, value in block.items():
@@ -109,6 +117,8 @@ def measure(calls: dict, timer: DispatchTimer, repeats: int = 15) -> dict:
     for i in range(60):
         for n in names:
             call, batches = calls[n]
+            if settle:
+                jax.block_until_ready(call(batches[(i + 1) % 4]))
             start = time.perf_counter()
             out = call(batches[i % 4])
             samples[n]["issue_ms"].append((time.perf_counter() - start) * 1e3)
@@ -146,13 +156,16 @@ def main(argv=None) -> int:
     p.add_argument("--max-rows", type=int, default=100_000)
     p.add_argument("--batch-size", type=int, default=16384)
     p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--settle", action="store_true",
+                   help="precede each measured block by an unmeasured one of the same build")
     args = p.parse_args(argv)
     builds = load_builds(args.label, args.against, args.max_rows)
     if args.base_first:
         builds = dict(reversed(builds.items()))
     result = {"labels": list(builds), "device": jax.devices()[0].device_kind,
               "jax": jax.__version__, "batch_per_device": args.batch_size,
-              "max_rows": args.max_rows, "repeats": args.repeats, "cases": {}}
+              "max_rows": args.max_rows, "repeats": args.repeats, "settle": args.settle,
+              "cases": {}}
     for spec in args.cases.split(","):
         kind, n, comm_dtype, bound, rows = spec.split(":")
         with DispatchTimer() as timer:
@@ -161,7 +174,7 @@ def main(argv=None) -> int:
                 call, batches, _ = build(kind, int(n), comm_dtype, int(bound), rows == "rows",
                                          log, tables, initial, args.batch_size)
                 calls[label] = (call, batches)
-            case = result["cases"][spec] = measure(calls, timer, args.repeats)
+            case = result["cases"][spec] = measure(calls, timer, args.repeats, args.settle)
         for label, m in case.items():
             print(f"{label} {spec}: issue alone {m['issue_ms']:.3f} ms; back to back: host "
                   f"{m['host_ms']:.3f} (dispatch {m['dispatch_ms']:.3f}, python "
