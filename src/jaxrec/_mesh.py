@@ -1,10 +1,11 @@
 """``on_mesh`` / ``replicate``: arrays replicated over a mesh, shared by the train step
 (``jaxrec.nn``), the sharded collections (``jaxrec.parallel``) and ``jaxrec train``;
 ``to_host``: an array whole on the host, also across processes (the portable tables,
-checkpoints)."""
+checkpoints); ``CpuPacer``: a bound on the computations queued on a mesh of CPU devices."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -54,3 +55,32 @@ def to_host(x) -> np.ndarray:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
     return np.asarray(x)
+
+
+# XLA's CPU runtime can deadlock in a collective's rendezvous, and then abort the process
+# ("Termination timeout for `all reduce RendezvousKey`"), when many executions of programs
+# with collectives are queued on its devices: with jax 0.10.2 a two-collective shard_map
+# issued back to back hung with 50 queued on 2 virtual devices and with 40 on 8, never
+# with 30 and 24 (200 blocks each); so did the sharded DLRM train step with 200 queued.
+# Disabling async dispatch did not prevent it (jax-ml/jax#25861 reports CPU hangs under
+# async dispatch). A sharded step or forward on CPU devices therefore keeps at most this
+# many queued.
+CPU_QUEUED = 16
+
+
+class CpuPacer:
+    """Before a computation on ``mesh`` joins the queue, waits for the oldest queued one
+    when ``CPU_QUEUED`` are queued on a mesh of CPU devices (nothing elsewhere: GPUs queue
+    freely)."""
+
+    def __init__(self):
+        self._queued = collections.deque()
+
+    def issued(self, mesh: jax.sharding.Mesh | None, out) -> None:
+        """``out``: the computation's outputs (any pytree; arrays donated since are skipped)."""
+        if mesh is None or mesh.devices.flat[0].platform != "cpu":
+            return
+        self._queued.append(out)
+        if len(self._queued) > CPU_QUEUED:
+            oldest = jax.tree.leaves(self._queued.popleft())
+            jax.block_until_ready([x for x in oldest if isinstance(x, jax.Array) and not x.is_deleted()])

@@ -51,7 +51,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxrec import _step_guard
-from jaxrec._mesh import on_mesh
+from jaxrec._mesh import CpuPacer, on_mesh
 from jaxrec.fused import guarded_update
 from jaxrec.fused import set_learning_rate as _set_tables_learning_rate
 from jaxrec.nn import host_cache
@@ -80,6 +80,7 @@ class TrainStep:
         self._optimizers = SplitCache()
         self._per_graphdef = {}  # model graphdef -> (mesh, axis, {key: (jitted, messages)})
         self._opt_graphdefs = {}  # optimizer graphdef -> a small int that stands for it in keys
+        self._pacer = CpuPacer()  # on CPU devices, a sharded step's queue stays short
 
     def __call__(self, model: nnx.Module, optimizer: nnx.Optimizer, *batch, prefetch=None):
         if not isinstance(optimizer, nnx.Optimizer):
@@ -126,6 +127,7 @@ class TrainStep:
         self._monitor.issued(fatal, latch, messages)
         if mesh is not None:
             _remember_placed(split, (params, opt_state, tables, rest, latch), structure, specs)
+            self._pacer.issued(mesh, loss)
         return (loss, aux) if self._has_aux else loss
 
     def _compile(self, split, opt_split, optimizer, mesh, axis, structure, specs, batch_count, prefetched):

@@ -41,7 +41,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxrec._mesh import on_mesh
+from jaxrec._mesh import CpuPacer, on_mesh
 from jaxrec.nn import TableCollection
 from jaxrec.parallel._sharded_ebc import ShardedEmbeddingBagCollection, auto_mesh
 from jaxrec.sparse import KeyedJaggedTensor, capacity_bucket
@@ -92,11 +92,15 @@ def make_forward(fn):
                                out_specs=P(axis), check_vma=False)
         return jax.jit(mapped)
 
+    pacer = CpuPacer()
+
     def forward(model: nnx.Module, *batch):
         mesh, axis = mesh_of(model)
         graphdef, state = nnx.split(model)
         state = _placed(state, mesh)
-        return compiled(graphdef, mesh, axis, _key(_specs(state)), len(batch))(state, *batch)
+        out = compiled(graphdef, mesh, axis, _key(_specs(state)), len(batch))(state, *batch)
+        pacer.issued(mesh, out)
+        return out
 
     return forward
 
