@@ -61,7 +61,7 @@ def to_host(x) -> np.ndarray:
 # ("Termination timeout for `all reduce RendezvousKey`"), when many executions of programs
 # with collectives are queued on its devices: with jax 0.10.2 a two-collective shard_map
 # issued back to back hung with 50 queued on 2 virtual devices and with 40 on 8, never
-# with 30 and 24 (200 blocks each); so did the sharded DLRM train step with 200 queued.
+# with 30 and 24 (40 to 200 blocks); so did the sharded DLRM train step with 200 queued.
 # Disabling async dispatch did not prevent it (jax-ml/jax#25861 reports CPU hangs under
 # async dispatch). A sharded step or forward on CPU devices therefore keeps at most this
 # many queued.
