@@ -93,6 +93,12 @@ class _Trace:
     skip: jax.Array | None = None  # the verdict before the backward (``seed``)
 
     @property
+    def checks(self) -> bool:
+        """Whether the step can skip an update (its fused tables are gated, its dense update
+        selected): it checks finiteness, or a FATAL bounds check reported into it."""
+        return self.policy != "ignore" or bool(self.fatal)
+
+    @property
     def halted(self) -> jax.Array:
         """An earlier step must raise: this one updates nothing."""
         return self.latch[_HALTED] != 0
@@ -175,7 +181,7 @@ def table_gate(name: str, grad_output: jax.Array) -> jax.Array | None:
     before the backward (``seed``) and, unless ``on_nonfinite="ignore"``, the finiteness of
     this table's own cotangent (on a mesh, of this device's shard: no collective)."""
     trace = active()
-    if trace is None or (trace.policy == "ignore" and not trace.fatal):
+    if trace is None or not trace.checks:
         return None
     if trace.skip is None:
         raise RuntimeError(f"the fused backward of tables {name!r} ran inside a train step before "
@@ -200,12 +206,9 @@ def seed(trace: _Trace | None, loss: jax.Array) -> jax.Array:
     DLRM step about 6% of its host time and 2% of its device time (docs/parallel.md,
     "Host time of a step")."""
     one = jnp.ones_like(loss)
-    if trace is None:
-        return one
-    checks_loss = trace.policy != "ignore"
-    if not checks_loss and not trace.fatal:
+    if trace is None or not trace.checks:
         return one  # no gate is asked (table_gate)
-    bad_loss = ~jnp.isfinite(loss) if checks_loss else jnp.zeros((), bool)
+    bad_loss = ~jnp.isfinite(loss) if trace.policy != "ignore" else jnp.zeros((), bool)
     fatal = trace.any_fatal()
     if trace.axis_name is not None:
         agreed = jax.lax.psum(jnp.stack([bad_loss, fatal]).astype(jnp.int32), trace.axis_name)
@@ -298,7 +301,7 @@ def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
     # step's dispatch took 1.16-1.38 ms instead of 0.84-0.88 on an H100 (docs/parallel.md).
     # The plain expression has not been measured since the donation.
     applied = jnp.max(jnp.stack([bad_input, nonfinite, was_halted]).astype(jnp.int32)) == 0
-    if trace.policy != "ignore" or trace.fatal:
+    if trace.checks:
         new = jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)
     halts = ~was_halted & (bad_input | (nonfinite & (trace.policy == "raise")))
     latch = trace.latch
