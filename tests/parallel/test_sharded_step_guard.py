@@ -14,7 +14,7 @@ import jaxrec.parallel as par
 from jaxrec import NonFiniteError
 from jaxrec.data import Batch
 from jaxrec.nn import make_train_step
-from jaxrec.optim import RowWiseAdagrad
+from jaxrec.optim import SGD, RowWiseAdagrad
 from jaxrec.sparse import KeyedJaggedTensor
 
 
@@ -108,3 +108,27 @@ def test_a_nan_loss_whose_cotangents_reach_no_shard_skips_every_shard():
         step.check()
     for a, b in zip(before, snapshot(model, optimizer)):
         np.testing.assert_array_equal(a, b)
+
+
+def dense_leaves(model, optimizer):
+    return [x for x in jax.tree.leaves((nnx.state(model, nnx.Param), optimizer.opt_state))
+            if isinstance(x, jax.Array)]
+
+
+def test_rows_kept_on_some_devices_skip_the_dense_update_on_every_device():
+    """Finite losses everywhere, but the tables of devices 0, 1, 3, 4 and 6 keep rows whose
+    update would overflow, and the other devices keep none: every device skips its dense
+    update all the same (the devices' checks ride in the gradients' all-reduce,
+    ``_step_guard.sum_gradients``), and the kept rows of every device are counted."""
+    model = par.shard(build(SGD(learning_rate=1e38)), plan("table_wise"), mesh())
+    optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
+    step = make_train_step(lambda m, b: squared_error(m, b, 1e-4), on_nonfinite="skip")
+    before = [np.array(x) for x in dense_leaves(model, optimizer)]
+    step(model, optimizer, par.shard_batch(random_batch(6, weighted=False), mesh()))
+    stats = step.stats()
+    assert stats["nonfinite_steps"] == 1 and stats["nonfinite_rows"] > 0, stats
+    for b, x in zip(before, dense_leaves(model, optimizer), strict=True):
+        if x.sharding.is_fully_replicated:  # every device's copy
+            assert len(x.addressable_shards) == N
+            for shard in x.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), b)
