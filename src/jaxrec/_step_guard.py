@@ -91,11 +91,6 @@ class _Trace:
     kept_rows: list = dataclasses.field(default_factory=list)   # int32 scalars
     gates: dict = dataclasses.field(default_factory=dict)       # tables name -> bool
     skip: jax.Array | None = None  # the verdict before the backward (``seed``)
-    # On a mesh (``seed``, ``sum_gradients``): the loss summed over the devices, whether
-    # any device reported FATAL, and the devices' counts summed with the gradients.
-    loss: jax.Array | None = None
-    fatal_anywhere: jax.Array | None = None
-    counts: jax.Array | None = None
 
     @property
     def checks(self) -> bool:
@@ -204,84 +199,22 @@ def seed(trace: _Trace | None, loss: jax.Array) -> jax.Array:
     every gradient shows it. Sets ``trace.skip``, the verdict the fused tables' gates start
     from: an earlier step halted, a FATAL report, or (unless "ignore") a non-finite loss.
 
-    On a mesh one all-reduce before the backward sums the devices' losses (``trace.loss``:
-    the step's loss, which the step returns instead of averaging it again after) and their
-    FATAL reports, so that every device's shards see the same verdict whatever layout
-    carries the cotangents (the row return's only reach the owners that a device asked).
-    It replaced a ``pmin`` of each table's gate inside the backward, which cost the 2-GPU
+    On a mesh the verdict and the seed are agreed by one all-reduce of two ints before the
+    backward, so that every device's shards see the same verdict whatever layout carries
+    the cotangents (the row return's only reach the owners that a device asked). It
+    replaced a ``pmin`` of each table's gate inside the backward, which cost the 2-GPU
     DLRM step about 6% of its host time and 2% of its device time (docs/parallel.md,
     "Host time of a step")."""
     one = jnp.ones_like(loss)
-    if trace is None:
-        return one
-    fatal = trace.any_fatal()
-    finite_loss = loss
-    if trace.axis_name is not None:
-        summed = jax.lax.psum(jnp.stack([loss.astype(jnp.float32), fatal.astype(jnp.float32)]),
-                              trace.axis_name)
-        trace.loss, fatal = summed[0].astype(loss.dtype), summed[1] > 0
-        trace.fatal_anywhere = fatal
-        finite_loss = summed[0]  # a device's NaN makes the sum NaN
-    if not trace.checks:
+    if trace is None or not trace.checks:
         return one  # no gate is asked (table_gate)
-    bad_loss = ~jnp.isfinite(finite_loss) if trace.policy != "ignore" else jnp.zeros((), bool)
+    bad_loss = ~jnp.isfinite(loss) if trace.policy != "ignore" else jnp.zeros((), bool)
+    fatal = trace.any_fatal()
+    if trace.axis_name is not None:
+        agreed = jax.lax.psum(jnp.stack([bad_loss, fatal]).astype(jnp.int32), trace.axis_name)
+        bad_loss, fatal = agreed[0] > 0, agreed[1] > 0
     trace.skip = bad_loss | fatal | trace.halted
     return jnp.where(bad_loss, jnp.full_like(loss, jnp.nan), one)
-
-
-# What each device counts into the step's agreement (``_local_counts``): whether its own
-# checks failed (a closed gate, a kept row), then the kept rows and the corrected ids, each
-# split at 2**12 so that a float32 sum stays exact (counts below 2**24 per device, meshes
-# below 4,096 devices): float32, to ride in a float32 gradient's all-reduce.
-_BAD, _KEPT_HI, _KEPT_LO, _CORRECTED_HI, _CORRECTED_LO = range(5)
-_SPLIT = 1 << 12
-
-
-def _local_counts(trace: _Trace) -> jax.Array:
-    kept = sum(trace.kept_rows, jnp.zeros((), jnp.int32))
-    corrected = sum(trace.corrected, jnp.zeros((), jnp.int32))
-    bad = jnp.zeros((), bool)
-    if trace.policy != "ignore":
-        bad = kept > 0
-        for gate in trace.gates.values():
-            bad = bad | ~gate
-    return jnp.stack([bad.astype(jnp.int32), kept // _SPLIT, kept % _SPLIT,
-                      corrected // _SPLIT, corrected % _SPLIT]).astype(jnp.float32)
-
-
-def _decode(counts: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """``(bad, kept_rows, corrected)`` of summed ``_local_counts``."""
-    counts = counts.astype(jnp.int32)
-    return (counts[_BAD] > 0, counts[_KEPT_HI] * _SPLIT + counts[_KEPT_LO],
-            counts[_CORRECTED_HI] * _SPLIT + counts[_CORRECTED_LO])
-
-
-def sum_gradients(trace: _Trace | None, grads, replicated, axis_name: str):
-    """``grads`` with the leaves that ``replicated`` (a pytree of bools like ``grads``)
-    marks summed over ``axis_name``: the gradients of parameters every device holds whole.
-
-    Inside a step, the devices' counts (``_local_counts``: their own failed checks, kept
-    rows, corrected ids) ride in the all-reduce of the smallest float32 replicated
-    gradient, appended to it: the step then agrees on its verdict without a collective of
-    its own (each launch costs host time). When every gradient is replicated, the dense
-    update is then the same computation on the same values on every device, and so is
-    its finiteness (``finish``)."""
-    leaves, treedef = jax.tree.flatten(grads)
-    flags = jax.tree.leaves(replicated)
-    counts = None
-    if trace is not None:
-        candidates = [i for i, (g, r) in enumerate(zip(leaves, flags))
-                      if r and g.dtype == jnp.float32]
-        if candidates and all(flags):
-            rider = min(candidates, key=lambda i: leaves[i].size)
-            counts = _local_counts(trace)
-            size = leaves[rider].size
-            joined = jax.lax.psum(jnp.concatenate([leaves[rider].ravel(), counts]), axis_name)
-            leaves[rider] = joined[:size].reshape(leaves[rider].shape)
-            trace.counts = joined[size:]
-            flags = [r and i != rider for i, r in enumerate(flags)]
-    leaves = [jax.lax.psum(g, axis_name) if r else g for g, r in zip(leaves, flags)]
-    return jax.tree.unflatten(treedef, leaves)
 
 
 def all_finite(leaves) -> jax.Array:
@@ -345,29 +278,21 @@ _STEP, _HALTED, _HALTED_AT, _NONFINITE, _CORRECTED, _KEPT_ROWS = range(6)
 def finish(trace: _Trace, loss: jax.Array, dense_grads, new, old):
     """``(state, fatal, latch)``: ``new`` (the updated dense parameters and optax state)
     where the step is sound, else ``old``; ``fatal``, the step's FATAL bounds reports
-    (int32 vectors, in the order of its messages); ``latch``, the one the next step takes.
-
-    On a mesh every device must reach the same verdict and counts: the loss and FATAL were
-    agreed before the backward (``seed``), the devices' own checks and counts in the
-    gradients' all-reduce (``sum_gradients``), after which the dense state's finiteness is
-    the same on every device. Without that (a gradient not replicated over the mesh, or
-    no float32 one to ride in) one all-reduce of the counts follows the finiteness check."""
-    if trace.loss is not None:
-        loss = trace.loss
-    dense_finite = jnp.ones((), bool)
+    (int32 vectors, in the order of its messages); ``latch``, the one the next step takes."""
+    finite = jnp.ones((), bool)
+    kept_rows = sum(trace.kept_rows, jnp.zeros((), jnp.int32))
     if trace.policy != "ignore":
         # new: a rate can overflow a parameter or an optimizer slot
-        dense_finite = all_finite(jax.tree.leaves((loss, dense_grads, new)))
-    if trace.counts is not None:
-        bad_local, kept_rows, corrected = _decode(trace.counts)
-        nonfinite = ~dense_finite | bad_local
-    else:
-        counts = _local_counts(trace)
-        counts = counts.at[_BAD].max((~dense_finite).astype(jnp.float32))
-        if trace.axis_name is not None:
-            counts = jax.lax.psum(counts, trace.axis_name)
-        nonfinite, kept_rows, corrected = _decode(counts)
-    bad_input = trace.fatal_anywhere if trace.fatal_anywhere is not None else trace.any_fatal()
+        finite = all_finite(jax.tree.leaves((loss, dense_grads, new)))
+        finite = finite & (kept_rows == 0)
+        for gate in trace.gates.values():
+            finite = finite & gate
+    # One collective for what every device must agree on (each launch costs host time).
+    counts = jnp.stack([trace.any_fatal().astype(jnp.int32), (~finite).astype(jnp.int32),
+                        sum(trace.corrected, jnp.zeros((), jnp.int32)), kept_rows])
+    if trace.axis_name is not None:
+        counts = jax.lax.psum(counts, trace.axis_name)
+    bad_input, nonfinite, corrected, kept_rows = counts[0] > 0, counts[1] > 0, counts[2], counts[3]
     was_halted = trace.halted
     # A reduction, not ~(a | b | c): XLA would copy that cheap scalar's computation, and with
     # it the latch, into the kernel of every leaf's select below. While the latch was a new

@@ -118,8 +118,8 @@ def dense_leaves(model, optimizer):
 def test_rows_kept_on_some_devices_skip_the_dense_update_on_every_device():
     """Finite losses everywhere, but the tables of devices 0, 1, 3, 4 and 6 keep rows whose
     update would overflow, and the other devices keep none: every device skips its dense
-    update all the same (the devices' checks ride in the gradients' all-reduce,
-    ``_step_guard.sum_gradients``), and the kept rows of every device are counted."""
+    update all the same (the guard sums the devices' checks over the mesh,
+    ``_step_guard.finish``), and the kept rows of every device are counted."""
     model = par.shard(build(SGD(learning_rate=1e38)), plan("table_wise"), mesh())
     optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
     step = make_train_step(lambda m, b: squared_error(m, b, 1e-4), on_nonfinite="skip")

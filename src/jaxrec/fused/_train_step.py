@@ -142,25 +142,20 @@ class FunctionalTrainStep:
 
 def guarded_update(loss_fn, dense_optimizer: optax.GradientTransformation, *, has_aux: bool,
                    on_nonfinite: str, messages: list, axis_name: str | None = None,
-                   replicated=None):
+                   reduce_grads=None):
     """The pure step ``(params, opt_state, tables, latch, *batch) -> (params, opt_state,
     tables, value, fatal, latch)`` that ``make_functional_train_step`` jits
     (``jaxrec.nn.make_train_step`` builds its step on it too); ``latch`` is the one of
     ``_step_guard.StepMonitor``. ``messages`` receives the FATAL messages of
-    the last trace, in the order of the ``fatal`` reports.
-
-    Inside ``shard_map`` over ``axis_name``: ``replicated``, a pytree of bools like
-    ``params``, marks the parameters every device holds whole, whose gradients are summed
-    over the devices before optax; ``value``'s loss is then summed over the devices too
-    (pass each device's share, e.g. its loss over the number of devices)."""
+    the last trace, in the order of the ``fatal`` reports. ``reduce_grads(grads)``: e.g. a
+    ``psum`` over devices, applied before optax."""
     value_and_grad = fused_value_and_grad(loss_fn, has_aux=has_aux)
 
     def step(params, opt_state, tables, latch, *batch):
         with _step_guard.tracing(on_nonfinite, latch, axis_name) as guard:
             value, grads, tables = value_and_grad(params, tables, *batch)
-            if axis_name is not None:
-                grads = _step_guard.sum_gradients(guard, grads, replicated, axis_name)
-                value = (guard.loss, *value[1:]) if has_aux else guard.loss
+            if reduce_grads is not None:
+                grads = reduce_grads(grads)
             with jax.numpy_dtype_promotion("standard"):  # optax mixes int steps and floats
                 updates, new_opt_state = dense_optimizer.update(grads, opt_state, params)
             new = (optax.apply_updates(params, updates), new_opt_state)

@@ -155,16 +155,20 @@ class TrainStep:
             with upcoming:
                 out = loss_fn(model, *batch)
             loss, aux = out if has_aux else (out, None)
-            # each device's share: the step's loss (and gradient) is their sum
-            return loss / n, (aux, split_for_training(model, wrt)[3])
+            return loss / n, (loss, aux, split_for_training(model, wrt)[3])
 
-        replicated = None
+        reduce_grads = None
         if mesh is not None:  # replicated parameters' gradients are summed over the devices
             # (params lead the leaves)
             replicated = nnx.as_pure(jax.tree.unflatten(
                 treedefs[0], [s == P() for s in specs[:treedefs[0].num_leaves]]))
+
+            def reduce_grads(grads):
+                return jax.tree.map(lambda g, r: jax.lax.psum(g, axis) if r else g,
+                                    grads, replicated)
+
         update = guarded_update(pure_loss, tx, has_aux=True, on_nonfinite=self._policy,
-                                messages=messages, axis_name=axis, replicated=replicated)
+                                messages=messages, axis_name=axis, reduce_grads=reduce_grads)
 
         def body(params, opt_vars, tables, rest, latch, *batch):
             lists = [jax.tree.structure(x) for x in (params, opt_vars, tables, rest)]
@@ -176,13 +180,14 @@ class TrainStep:
             optimizer = nnx.merge(opt_split.graphdef,
                                   jax.tree.unflatten(opt_treedef, jax.tree.leaves(opt_vars)))
             opt_state = nnx.as_pure(optimizer.opt_state)
-            params, opt_state, tables, (loss, (aux, rest)), fatal, latch = update(
+            params, opt_state, tables, (_, (loss, aux, rest)), fatal, latch = update(
                 params, opt_state, tables, latch, rest, *batch)
             nnx.update(optimizer.opt_state, nnx.state(opt_state))
             optimizer.step[...] += 1
             out = [jax.tree.unflatten(td, jax.tree.leaves(x))
                    for td, x in zip(lists, (params, nnx.state(optimizer), tables, rest))]
             if mesh is not None:
+                loss = jax.lax.pmean(loss, axis)
                 aux = jax.tree.map(lambda x: jnp.asarray(x)[None], aux)
             return (*out, loss, aux, fatal, latch)
 
