@@ -116,10 +116,11 @@ def dense_leaves(model, optimizer):
 
 
 def test_rows_kept_on_some_devices_skip_the_dense_update_on_every_device():
-    """Finite losses everywhere, but the tables of devices 0, 1, 3, 4 and 6 keep rows whose
-    update would overflow, and the other devices keep none: every device skips its dense
-    update all the same (the guard sums the devices' checks over the mesh,
-    ``_step_guard.finish``), and the kept rows of every device are counted."""
+    """Finite losses everywhere, but a rate so large that the fused updates keep rows whose
+    update would overflow, on the devices that hold tables (0, 1, 3, 4 and 6: devices 2, 5
+    and 7 hold none, so keep none): every device skips its dense update all the same (the
+    guard sums the devices' checks over the mesh, ``_step_guard.finish``), and the kept
+    rows are counted."""
     model = par.shard(build(SGD(learning_rate=1e38)), plan("table_wise"), mesh())
     optimizer = nnx.Optimizer(model, optax.adam(0.01), wrt=nnx.Param)
     step = make_train_step(lambda m, b: squared_error(m, b, 1e-4), on_nonfinite="skip")
@@ -128,7 +129,6 @@ def test_rows_kept_on_some_devices_skip_the_dense_update_on_every_device():
     stats = step.stats()
     assert stats["nonfinite_steps"] == 1 and stats["nonfinite_rows"] > 0, stats
     for b, x in zip(before, dense_leaves(model, optimizer), strict=True):
-        if x.sharding.is_fully_replicated:  # every device's copy
-            assert len(x.addressable_shards) == N
-            for shard in x.addressable_shards:
-                np.testing.assert_array_equal(np.asarray(shard.data), b)
+        assert x.sharding.is_fully_replicated and len(x.addressable_shards) == N
+        for shard in x.addressable_shards:  # every device's copy
+            np.testing.assert_array_equal(np.asarray(shard.data), b)
